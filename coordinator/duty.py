@@ -1,0 +1,264 @@
+"""The coordinator duty: one elected node watches the joins and commits the round changes.
+
+Why one node: if every node watched every other node's key, a formation of N nodes would
+deliver N² watch events and every node would race to rewrite the state. Here each node
+writes only its own key; the node whose key has the lowest create revision (etcd's
+election recipe) watches the node keys and commits each state change with ONE
+revision-guarded transaction. Everybody else watches only the state key, and each waits
+for the deletion of its predecessor's key (so a leader's death wakes exactly one node).
+That keeps a formation at O(N) writes and O(N) watch events.
+
+Correctness does not depend on there being exactly one leader: every commit is guarded by
+the state key's mod_revision, so a stale leader (frozen, then resumed) loses its race and
+re-reads. A new leader restarts the last-call timer from its own clock (leader clocks are
+never compared).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from coordinator.errors import CorruptValueError, RendezvousError
+from coordinator.etcd_client import EtcdClient, Watch, WatchEvent
+from coordinator.keys import RunKeys
+from coordinator.state import NodeInfo, decode_node, encode_state
+from coordinator.transitions import Limits, apply, decide_coordinator
+from coordinator.view import StateView
+
+__all__ = ["CoordinatorDuty", "Membership"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Membership:
+    """This node's key as it stands: the create revision decides seniority."""
+
+    node_id: str
+    key: bytes
+    create_revision: int
+
+
+class _Signal:
+    """A wake-up flag that also remembers whether it was raised while nobody waited."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def wait(self, timeout: float | None) -> None:
+        self._event.wait(timeout)
+        self._event.clear()
+
+
+class CoordinatorDuty:
+    """Background thread: wins the election when its turn comes, then coordinates.
+
+    Args:
+        client: etcd client.
+        keys: the run's keys.
+        view: the watched state view (shared with the handler).
+        limits: min/max nodes and last call.
+        membership: returns this node's current key (None while it has none).
+        clock: monotonic seconds.
+        wall_ms: wall-clock milliseconds, recorded in the state for operators only.
+    """
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        keys: RunKeys,
+        view: StateView,
+        limits: Limits,
+        membership: Callable[[], Membership | None],
+        clock: Callable[[], float] = time.monotonic,
+        wall_ms: Callable[[], int] = lambda: int(time.time() * 1000),
+    ) -> None:
+        self._client = client
+        self._keys = keys
+        self._view = view
+        self._limits = limits
+        self._membership = membership
+        self._clock = clock
+        self._wall_ms = wall_ms
+        self._stop = threading.Event()
+        self._signal = _Signal()
+        self._nodes: dict[str, NodeInfo] = {}
+        self._nodes_lock = threading.Lock()
+        self._node_id_by_key: dict[bytes, str] = {}
+        self._resync = threading.Event()
+        self.is_leader = False
+        self.commits = 0
+        self.failed_commits = 0
+        self._thread = threading.Thread(target=self._run, name="rdzv-coordinator", daemon=True)
+        self._unsubscribe = view.subscribe(self._signal.set)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def poke(self) -> None:
+        """Re-check now (e.g. this node's key changed)."""
+        self._signal.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._signal.set()
+        self._unsubscribe()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                me = self._membership()
+                if me is None:
+                    self._signal.wait(None)
+                    continue
+                if self._wait_for_turn(me):
+                    self._lead(me)
+            except RendezvousError as exc:
+                # etcd unreachable for the whole retry budget, or similar: try again after
+                # a pause rather than die; the handler surfaces errors to its caller.
+                log.warning("coordinator duty: %s; retrying", exc)
+                self._stop.wait(1.0)
+        self.is_leader = False
+
+    def _wait_for_turn(self, me: Membership) -> bool:
+        """Block until no live node key is older than ours; False if we should re-check."""
+        older, _ = self._client.get_prefix(
+            self._keys.nodes_prefix,
+            sort_by_create=True,
+            descending=True,
+            limit=1,
+            max_create_revision=me.create_revision - 1,
+            keys_only=True,
+        )
+        if not older:
+            return True
+        predecessor = older[0].key
+        gone = threading.Event()
+
+        def on_events(events: list[WatchEvent], _rev: int) -> None:
+            if any(e.kind == "delete" for e in events):
+                gone.set()
+                self._signal.set()
+
+        def on_compacted(_rev: int) -> None:
+            gone.set()  # re-check from scratch
+            self._signal.set()
+
+        kv, rev = self._client.get(predecessor)
+        if kv is None:
+            return False
+        watch = self._client.watch(predecessor, rev + 1, on_events, on_compacted)
+        try:
+            while not (self._stop.is_set() or gone.is_set()):
+                current = self._membership()
+                if current is None or current.create_revision != me.create_revision:
+                    break
+                self._signal.wait(None)
+        finally:
+            watch.cancel()
+        return False
+
+    def _lead(self, me: Membership) -> None:
+        log.info("node %s coordinates run %s", me.node_id, self._keys.run_id)
+        self.is_leader = True
+        watch = self._watch_nodes()
+        deadline: float | None = None
+        try:
+            while not self._stop.is_set():
+                current = self._membership()
+                if current is None or current.create_revision != me.create_revision:
+                    return  # our key is gone (lease lost): step down, re-elect
+                if self._resync.is_set():
+                    self._resync.clear()
+                    return  # the node watch was compacted: lead again from a fresh read
+                state, mod_revision = self._view.snapshot()
+                with self._nodes_lock:
+                    nodes = dict(self._nodes)
+                now = self._clock()
+                decision = decide_coordinator(state, nodes, self._limits, now, deadline)
+                deadline = decision.last_call_deadline
+                if decision.actions:
+                    new = apply(
+                        state, decision.actions, written_by=me.node_id, now_unix_ms=self._wall_ms()
+                    )
+                    result = self._client.put_if_mod_revision(
+                        self._keys.state, encode_state(new), mod_revision
+                    )
+                    if result.succeeded:
+                        self.commits += 1
+                        log.info(
+                            "run %s: committed %s (round %d)",
+                            self._keys.run_id,
+                            ", ".join(a.kind.value for a in decision.actions),
+                            new.round,
+                        )
+                        self._view.offer_written(new, result.revision)
+                    else:
+                        self.failed_commits += 1
+                        self._view.offer(result.current, result.revision)
+                    continue
+                timeout = None if decision.wake_at == math.inf else decision.wake_at - now
+                self._signal.wait(max(timeout, 0.0) if timeout is not None else None)
+        except CorruptValueError as exc:
+            # Never crash-loop on a foreign value: report, then wait for it to change.
+            log.error("run %s: not coordinating: %s", self._keys.run_id, exc)
+            self._signal.wait(None)
+        finally:
+            self.is_leader = False
+            watch.cancel()
+            with self._nodes_lock:
+                self._nodes.clear()
+
+    # -- node keys ---------------------------------------------------------------------
+
+    def _watch_nodes(self) -> Watch:
+        kvs, revision = self._client.get_prefix(self._keys.nodes_prefix)
+        with self._nodes_lock:
+            self._nodes.clear()
+            self._node_id_by_key.clear()
+            for kv in kvs:
+                self._put_node(kv.key, kv.value, kv.create_revision)
+        return self._client.watch(
+            self._keys.nodes_prefix,
+            revision + 1,
+            self._on_node_events,
+            self._on_nodes_compacted,
+            prefix=True,
+        )
+
+    def _put_node(self, key: bytes, value: bytes, create_revision: int) -> None:
+        try:
+            node = decode_node(key.decode(errors="replace"), value, create_revision)
+        except CorruptValueError as exc:
+            log.warning("ignoring node key: %s", exc)
+            return
+        self._nodes[node.node_id] = node
+        self._node_id_by_key[key] = node.node_id
+
+    def _on_node_events(self, events: list[WatchEvent], _revision: int) -> None:
+        with self._nodes_lock:
+            for event in events:
+                if event.kind == "put":
+                    self._put_node(event.kv.key, event.kv.value, event.kv.create_revision)
+                else:
+                    node_id = self._node_id_by_key.pop(event.kv.key, None)
+                    if node_id is not None:
+                        self._nodes.pop(node_id, None)
+        self._signal.set()
+
+    def _on_nodes_compacted(self, _revision: int) -> None:
+        # Leading again re-reads every node key and watches from there.
+        self._resync.set()
+        self._signal.set()

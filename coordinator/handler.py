@@ -1,0 +1,362 @@
+"""torch's ``RendezvousHandler`` over etcd v3: what our agent and stock torchrun call.
+
+Registered for ``torchrun --rdzv-backend=etcd-v3`` through the ``torchrun.handlers`` entry
+point (torch owns the name ``etcd-v2`` for its v2-API backend; our ``etcdrun`` accepts both
+names). Contract, case by case:
+
+* ``next_rendezvous()`` joins the next round (exiting the one this node was in) and
+  blocks until that round completes with this node, then returns its group rank, the
+  group size, a store scoped to the round, and the bootstrap address (rank 0's address
+  and a port it found free). Raises ``RendezvousClosedError`` if the run is closed,
+  ``RendezvousTimeoutError`` after ``join_timeout``, ``RendezvousConnectionError`` when no
+  etcd member answers within the retry budget, ``RendezvousStateError`` when the state
+  key holds a value we cannot read (naming the key; nothing in it is executed).
+* ``num_nodes_waiting()`` answers from the watched state, without a round trip: nodes
+  waiting for the next round plus participants whose lease ended (so any agent, torch's
+  included, re-rendezvouses at once after a node loss), plus one if this node's own
+  lease was lost.
+* ``subscribe(callback)`` (ours): the callback runs (on a background thread; it must not
+  block) whenever that number may have changed, so an agent can wait on events, not poll.
+* ``set_closed()`` closes the run for everyone; ``is_closed()`` reads the watched state.
+* ``shutdown()`` closes the run, as torch's handlers do, and leaves; ``leave()`` (ours)
+  only leaves: the node's lease is revoked so the others see it go at once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+)
+
+from coordinator.duty import CoordinatorDuty, Membership
+from coordinator.errors import JoinTimeoutError, RendezvousError, RunClosedError
+from coordinator.etcd_client import EtcdClient
+from coordinator.etcd_server import free_port
+from coordinator.keys import make_node_id
+from coordinator.session import Session
+from coordinator.settings import RendezvousSettings
+from coordinator.state import NodeInfo, RdzvState, encode_node, encode_state
+from coordinator.store import EtcdStore
+from coordinator.transitions import Limits, NodeAction, apply, close, decide_node
+from coordinator.view import StateView
+
+__all__ = ["EtcdRendezvousHandler", "create_handler", "torchrun_handler_factory"]
+
+log = logging.getLogger(__name__)
+
+_node_counter = itertools.count()
+
+
+class EtcdRendezvousHandler(RendezvousHandler):
+    """One node's handle on one run's rendezvous. See the module docstring for the contract.
+
+    Args:
+        settings: validated settings.
+        client: an etcd client to share (the caller keeps ownership); by default the handler
+            makes and closes its own.
+        backend_name: what :meth:`get_backend` reports.
+        local_world_size, role: recorded in this node's key for operators.
+        clock: monotonic seconds (tests pass a fake).
+    """
+
+    def __init__(
+        self,
+        settings: RendezvousSettings,
+        *,
+        client: EtcdClient | None = None,
+        backend_name: str = "etcd-v3",
+        local_world_size: int = 0,
+        role: str = "",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._settings = settings
+        self._keys = settings.keys
+        self._backend_name = backend_name
+        self._own_client = client is None
+        self._client = client
+        self._clock = clock
+        self._hostname = socket.gethostname()
+        self._addr = settings.local_addr or socket.getfqdn()
+        self.node_id = make_node_id(self._hostname, os.getpid(), next(_node_counter))
+        self.local_world_size = local_world_size
+        self.role = role
+        self._limits = Limits(settings.min_nodes, settings.max_nodes, settings.last_call_timeout)
+        self._lock = threading.RLock()
+        self._view: StateView | None = None
+        self._duty: CoordinatorDuty | None = None
+        self._session: Session | None = None
+        self._membership: Membership | None = None
+        self._listeners: list[Callable[[], None]] = []
+        self._left = False
+        self._started_ms = int(time.time() * 1000)
+
+    # -- plumbing ----------------------------------------------------------------------
+
+    def _etcd(self) -> EtcdClient:
+        if self._client is None:
+            self._client = EtcdClient(self._settings.etcd_config())
+        return self._client
+
+    def _started_view(self) -> StateView:
+        with self._lock:
+            if self._left:
+                raise RendezvousError(f"node {self.node_id} has left run {self._keys.run_id}")
+            if self._view is None:
+                view = StateView(self._etcd(), self._keys.state)
+                view.subscribe(self._notify)
+                view.start()
+                self._view = view
+                duty = CoordinatorDuty(
+                    self._etcd(), self._keys, view, self._limits, self._current_membership,
+                    clock=self._clock,
+                )  # fmt: skip
+                duty.start()
+                self._duty = duty
+            return self._view
+
+    def _current_membership(self) -> Membership | None:
+        with self._lock:
+            if self._session is None or self._session.lost():
+                return None
+            return self._membership
+
+    def _notify(self) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            try:
+                listener()
+            except Exception:  # a listener's bug must not break the watch thread
+                log.exception("rendezvous listener failed")
+
+    def _on_session_lost(self) -> None:
+        if self._view is not None:
+            self._view.wake()
+        if self._duty is not None:
+            self._duty.poke()
+        self._notify()
+
+    def _write_node(self, wanted_round: int) -> None:
+        """Write this node's key asking for ``wanted_round``, with a live lease."""
+        client = self._etcd()
+        with self._lock:
+            old = self._session
+            fresh = old is None or old.lost()
+            if old is not None and fresh:
+                old.close(revoke=False)
+            session = (
+                Session(client, self._settings.lease_ttl, self._on_session_lost)
+                if fresh or old is None
+                else old
+            )
+            self._session = session
+        record = NodeInfo(
+            node_id=self.node_id,
+            wanted_round=wanted_round,
+            addr=self._addr,
+            hostname=self._hostname,
+            pid=os.getpid(),
+            local_world_size=self.local_world_size,
+            role=self.role,
+            lease_id=session.lease_id,
+            started_at_unix_ms=self._started_ms,
+            free_port=free_port(""),
+        )
+        key = self._keys.node(self.node_id)
+        client.put(key, encode_node(record), lease=session.lease_id)
+        if fresh:
+            kv, _ = client.get(key)
+            create_revision = kv.create_revision if kv is not None else 0
+            with self._lock:
+                self._membership = Membership(self.node_id, key, create_revision)
+            if self._duty is not None:
+                self._duty.poke()
+
+    def _session_lost(self) -> bool:
+        with self._lock:
+            return self._session is not None and self._session.lost()
+
+    # -- RendezvousHandler -------------------------------------------------------------
+
+    def get_backend(self) -> str:
+        return self._backend_name
+
+    @property
+    def use_agent_store(self) -> bool:
+        # Workers bootstrap their own TCPStore from MASTER_ADDR/MASTER_PORT; our store is
+        # the agents' (it lives in etcd and is scoped to one round).
+        return False
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        view = self._started_view()
+        run_id = self._keys.run_id
+        start = self._clock()
+        deadline = start + self._settings.join_timeout
+        wanted = 0
+        log.info("node %s joining run %s", self.node_id, run_id)
+        while True:
+            if wanted and self._session_lost():
+                wanted = 0  # our key is gone: ask again with a new lease
+            state, _ = view.snapshot()
+            seen = view.seen_revision
+            action = decide_node(state, self.node_id, wanted, self._clock(), deadline)
+            rank = state.rank_of(self.node_id)
+            if action is NodeAction.FINISH and rank is not None:
+                log.info(
+                    "node %s: run %s round %d complete: rank %d of %d (%.3f s)",
+                    self.node_id, run_id, state.round, rank, len(state.participants),
+                    self._clock() - start,
+                )  # fmt: skip
+                return self._info(state, rank)
+            if action is NodeAction.ERROR_CLOSED:
+                reason = f" ({state.closed_reason})" if state.closed_reason else ""
+                raise RunClosedError(
+                    f"run {run_id!r} is closed{reason}: it admits no more nodes; "
+                    "start a new run with another --rdzv-id"
+                )
+            if action is NodeAction.ERROR_TIMEOUT:
+                self.leave()
+                raise JoinTimeoutError(
+                    f"run {run_id!r}: node {self.node_id} was not admitted to round "
+                    f"{wanted or state.round + 1} within join_timeout="
+                    f"{self._settings.join_timeout:g} s (min_nodes={self._limits.min_nodes}, "
+                    f"last completed round {state.round} had {len(state.participants)} nodes)"
+                )
+            if action is NodeAction.JOIN:
+                wanted = state.round + 1
+                self._write_node(wanted)
+                continue
+            view.wait_newer(seen, max(deadline - self._clock(), 0.0), self._session_lost)
+
+    def _info(self, state: RdzvState, rank: int) -> RendezvousInfo:
+        store = EtcdStore(
+            self._etcd(),
+            self._keys.store_prefix(state.round),
+            timeout=datetime.timedelta(seconds=self._settings.store_timeout),
+        )
+        bootstrap = RendezvousStoreInfo(
+            master_addr=state.master_addr, master_port=state.master_port
+        )
+        return RendezvousInfo(store, rank, len(state.participants), bootstrap)
+
+    def is_closed(self) -> bool:
+        state, _ = self._started_view().snapshot()
+        return state.closed
+
+    def set_closed(self, reason: str = "closed by an agent") -> None:
+        view = self._started_view()
+        client = self._etcd()
+        deadline = self._clock() + self._settings.close_timeout
+        while True:
+            state, mod_revision = view.snapshot()
+            actions = close(state, reason)
+            if not actions:
+                return
+            new = apply(state, actions, written_by=self.node_id)
+            result = client.put_if_mod_revision(self._keys.state, encode_state(new), mod_revision)
+            if result.succeeded:
+                view.offer_written(new, result.revision)
+                log.info("node %s closed run %s", self.node_id, self._keys.run_id)
+                return
+            view.offer(result.current, result.revision)
+            if self._clock() > deadline:
+                raise RendezvousError(
+                    f"run {self._keys.run_id!r}: could not close within close_timeout="
+                    f"{self._settings.close_timeout:g} s (the state kept changing)"
+                )
+
+    def num_nodes_waiting(self) -> int:
+        with self._lock:
+            view = self._view
+        if view is None:
+            return 0
+        return view.peek().num_waiting + (1 if self._session_lost() else 0)
+
+    def get_run_id(self) -> str:
+        return self._keys.run_id
+
+    def shutdown(self) -> bool:
+        try:
+            if not self._left:
+                self.set_closed("shutdown by an agent")
+            return True
+        except RendezvousError as exc:
+            log.warning("node %s could not close run %s: %s", self.node_id, self.get_run_id(), exc)
+            return False
+        finally:
+            self.leave()
+
+    # -- ours --------------------------------------------------------------------------
+
+    def subscribe(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` whenever ``num_nodes_waiting()`` may have changed."""
+        with self._lock:
+            self._listeners.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._listeners:
+                    self._listeners.remove(callback)
+
+        return unsubscribe
+
+    @property
+    def is_coordinator(self) -> bool:
+        """Whether this node currently holds the coordinator duty."""
+        return self._duty is not None and self._duty.is_leader
+
+    def leave(self) -> None:
+        """Leave the run without closing it: stop watching, revoke the lease. Idempotent."""
+        with self._lock:
+            if self._left:
+                return
+            self._left = True
+            duty, view, session = self._duty, self._view, self._session
+            self._duty = self._view = self._session = None
+            self._membership = None
+        if duty is not None:
+            duty.stop()
+        if view is not None:
+            view.close()
+        if session is not None:
+            try:
+                session.close(revoke=True)
+            except RendezvousError as exc:
+                log.warning("node %s: lease not revoked (%s); it expires by TTL", self.node_id, exc)
+        if self._own_client and self._client is not None:
+            self._client.close()
+
+
+def create_handler(
+    params: RendezvousParameters,
+    *,
+    client: EtcdClient | None = None,
+    local_world_size: int = 0,
+    role: str = "",
+) -> EtcdRendezvousHandler:
+    """Build a handler from torch's parameters (validated; errors name the setting)."""
+    settings = RendezvousSettings.from_parameters(params)
+    return EtcdRendezvousHandler(
+        settings,
+        client=client,
+        backend_name=params.backend,
+        local_world_size=local_world_size,
+        role=role,
+    )
+
+
+def torchrun_handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """The ``torchrun.handlers`` entry point: torch calls it and registers the result."""
+    return create_handler

@@ -1,0 +1,201 @@
+"""The rendezvous state and node records as plain values, and their stored form.
+
+``RdzvState`` is what the state key holds; ``NodeInfo`` is what a node key holds. Both are
+frozen: the pure functions in :mod:`coordinator.transitions` return new values. The stored
+form is the protobuf schema in ``proto/rendezvous.proto`` written with protobuf's JSON
+mapping, so ``etcdctl get`` shows it readably. Decoding never executes anything: a value
+that is not valid JSON of our schema, or has a newer ``schema_version``, raises
+:class:`~coordinator.errors.CorruptValueError` naming the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from coordinator.errors import CorruptValueError
+from coordinator.generated import rendezvous_pb2 as pb
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "NodeInfo",
+    "RdzvState",
+    "decode_node",
+    "decode_state",
+    "encode_node",
+    "encode_state",
+]
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class RdzvState:
+    """The agreed state of one run.
+
+    Attributes:
+        round: the last completed round (0: the first is still forming). Nodes that
+            want in ask for ``round + 1``.
+        closed: the run is over; joins fail with ``RendezvousClosedError``.
+        participants: node ids of ``round``; the index is the group rank.
+        wait_list: live nodes asking for ``round + 1`` (a reason for participants to
+            re-rendezvous).
+        redundancy_list: live nodes asking for ``round + 1`` while ``round`` is full.
+        lost: participants of ``round`` whose lease ended (survivors must re-rendezvous).
+        master_addr, master_port: bootstrap address of ``round`` (rank 0's).
+    """
+
+    round: int = 0
+    closed: bool = False
+    participants: tuple[str, ...] = ()
+    wait_list: tuple[str, ...] = ()
+    redundancy_list: tuple[str, ...] = ()
+    lost: tuple[str, ...] = ()
+    closed_reason: str = ""
+    master_addr: str = ""
+    master_port: int = 0
+    completed_at_unix_ms: int = 0
+    written_by: str = ""
+
+    def rank_of(self, node_id: str) -> int | None:
+        """The group rank of ``node_id`` in ``round``, or None if not a participant."""
+        try:
+            return self.participants.index(node_id)
+        except ValueError:
+            return None
+
+    @property
+    def num_waiting(self) -> int:
+        """What ``num_nodes_waiting()`` reports: nodes waiting plus participants lost.
+
+        A lost participant counts so that any agent, torch's included, re-rendezvouses at
+        once instead of waiting for a collective to time out.
+        """
+        return len(self.wait_list) + len(self.lost)
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """A node record: written by the node itself, bound to its lease."""
+
+    node_id: str
+    wanted_round: int
+    addr: str = ""
+    hostname: str = ""
+    pid: int = 0
+    local_world_size: int = 0
+    role: str = ""
+    lease_id: int = 0
+    started_at_unix_ms: int = 0
+    free_port: int = 0
+    # Not stored in the value: etcd's create_revision of the key (arrival order).
+    create_revision: int = field(default=0, compare=False)
+
+
+def _to_json(message: Message) -> bytes:
+    text: str = json_format.MessageToJson(
+        message, preserving_proto_field_name=True, indent=None, sort_keys=False
+    )
+    return text.encode()
+
+
+def _parse(key: str, raw: bytes, message: Message) -> None:
+    try:
+        json_format.Parse(raw.decode("utf-8"), message, ignore_unknown_fields=False)
+    except (UnicodeDecodeError, json_format.ParseError) as exc:
+        raise CorruptValueError(key, f"not a {type(message).__name__} in JSON ({exc})") from exc
+    version = getattr(message, "schema_version", 0)
+    if version == 0:
+        raise CorruptValueError(key, "no schema_version: not written by etcd-elastic")
+    if version > SCHEMA_VERSION:
+        raise CorruptValueError(
+            key,
+            f"schema_version {version} is newer than this etcd-elastic understands "
+            f"({SCHEMA_VERSION}); upgrade every agent of the run",
+        )
+
+
+def encode_state(state: RdzvState) -> bytes:
+    msg = pb.RendezvousState(
+        schema_version=SCHEMA_VERSION,
+        round=state.round,
+        complete=state.round > 0,
+        closed=state.closed,
+        participants=[
+            pb.Participant(node_id=n, rank=r) for r, n in enumerate(state.participants)
+        ],
+        wait_list=list(state.wait_list),
+        redundancy_list=list(state.redundancy_list),
+        lost=list(state.lost),
+        closed_reason=state.closed_reason,
+        completed_at_unix_ms=state.completed_at_unix_ms,
+        written_by=state.written_by,
+        master_addr=state.master_addr,
+        master_port=state.master_port,
+    )
+    return _to_json(msg)
+
+
+def decode_state(key: str, raw: bytes) -> RdzvState:
+    """Decode the state key's value; raises CorruptValueError naming ``key``."""
+    msg = pb.RendezvousState()
+    _parse(key, raw, msg)
+    ranks = [p.rank for p in msg.participants]
+    if ranks != list(range(len(ranks))):
+        raise CorruptValueError(key, f"participant ranks {ranks} are not 0..{len(ranks) - 1}")
+    ids = [p.node_id for p in msg.participants]
+    if len(set(ids)) != len(ids):
+        raise CorruptValueError(key, "a node appears twice among the participants")
+    if msg.round < 0:
+        raise CorruptValueError(key, f"negative round {msg.round}")
+    return RdzvState(
+        round=msg.round,
+        closed=msg.closed,
+        participants=tuple(ids),
+        wait_list=tuple(msg.wait_list),
+        redundancy_list=tuple(msg.redundancy_list),
+        lost=tuple(msg.lost),
+        closed_reason=msg.closed_reason,
+        master_addr=msg.master_addr,
+        master_port=msg.master_port,
+        completed_at_unix_ms=msg.completed_at_unix_ms,
+        written_by=msg.written_by,
+    )
+
+
+def encode_node(node: NodeInfo) -> bytes:
+    msg = pb.NodeRecord(
+        schema_version=SCHEMA_VERSION,
+        node_id=node.node_id,
+        addr=node.addr,
+        hostname=node.hostname,
+        pid=node.pid,
+        local_world_size=node.local_world_size,
+        role=node.role,
+        wanted_round=node.wanted_round,
+        lease_id=node.lease_id,
+        started_at_unix_ms=node.started_at_unix_ms,
+        free_port=node.free_port,
+    )
+    return _to_json(msg)
+
+
+def decode_node(key: str, raw: bytes, create_revision: int = 0) -> NodeInfo:
+    """Decode a node key's value; raises CorruptValueError naming ``key``."""
+    msg = pb.NodeRecord()
+    _parse(key, raw, msg)
+    return NodeInfo(
+        node_id=msg.node_id,
+        wanted_round=msg.wanted_round,
+        addr=msg.addr,
+        hostname=msg.hostname,
+        pid=msg.pid,
+        local_world_size=msg.local_world_size,
+        role=msg.role,
+        lease_id=msg.lease_id,
+        started_at_unix_ms=msg.started_at_unix_ms,
+        free_port=msg.free_port,
+        create_revision=create_revision,
+    )

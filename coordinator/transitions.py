@@ -1,0 +1,276 @@
+"""Pure decisions of the rendezvous: what to do, given the state, the nodes and the time.
+
+Two deciders, both free of I/O and of the clock (``now`` is an argument):
+
+* :func:`decide_node` — what one node inside ``next_rendezvous()`` does next: ask for the
+  next round (JOIN), wait for an event (SYNC), return its rank (FINISH), or fail
+  (ERROR_CLOSED, ERROR_TIMEOUT). A node only ever writes its own key.
+* :func:`decide_coordinator` — what the elected coordinator commits to the state key, as a
+  list of actions applied by :func:`apply` and written in ONE revision-guarded
+  transaction: ADD_TO_WAIT_LIST, ADD_TO_REDUNDANCY_LIST, REMOVE_FROM_PARTICIPANTS,
+  REMOVE_FROM_WAIT_LIST, REMOVE_FROM_REDUNDANCY_LIST, MARK_RENDEZVOUS_COMPLETE (which is
+  where ADD_TO_PARTICIPANTS happens: ranks are assigned at completion). MARK_RENDEZVOUS_CLOSED
+  is committed by whichever node closes the run (:func:`close`).
+
+Round rules (DESIGN §4): nodes ask for ``state.round + 1``. A round may form once it is
+*open*: it is the first round, or a live participant of the last round asked for it
+(it re-rendezvoused), or no participant of the last round is alive. It completes at once
+with ``max_nodes`` joiners; with ``min_nodes`` it completes when the last call ends, or
+at once when every live participant of the last round has joined (a restart need not
+wait out last call). Survivors keep their rank order; newcomers follow by arrival.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+
+from coordinator.state import NodeInfo, RdzvState
+
+__all__ = [
+    "Action",
+    "ActionKind",
+    "CoordinatorDecision",
+    "Limits",
+    "NodeAction",
+    "apply",
+    "close",
+    "decide_coordinator",
+    "decide_node",
+]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The part of the settings the decisions need."""
+
+    min_nodes: int
+    max_nodes: int
+    last_call_timeout: float
+
+
+class NodeAction(enum.Enum):
+    """What a node inside ``next_rendezvous()`` does next."""
+
+    #: Write this node's key asking for ``state.round + 1``.
+    JOIN = "join"
+    #: Nothing to do until the state changes or a deadline passes.
+    SYNC = "sync"
+    #: The round this node asked for completed with it: return its rank.
+    FINISH = "finish"
+    #: The run is closed: raise RendezvousClosedError.
+    ERROR_CLOSED = "error_closed"
+    #: join_timeout passed: raise RendezvousTimeoutError.
+    ERROR_TIMEOUT = "error_timeout"
+
+
+def decide_node(
+    state: RdzvState, node_id: str, wanted_round: int, now: float, join_deadline: float
+) -> NodeAction:
+    """Decide the next step of a node that asked for ``wanted_round`` (0: not yet asked).
+
+    Args:
+        state: the latest state the node has seen.
+        node_id: this node.
+        wanted_round: the round in this node's key, 0 if it has not asked in this call.
+        now, join_deadline: monotonic seconds.
+    """
+    if state.closed:
+        return NodeAction.ERROR_CLOSED
+    if wanted_round and state.round == wanted_round and state.rank_of(node_id) is not None:
+        return NodeAction.FINISH
+    if now >= join_deadline:
+        return NodeAction.ERROR_TIMEOUT
+    if wanted_round <= state.round:
+        # Never asked, or the round it asked for completed without it: ask for the next.
+        return NodeAction.JOIN
+    return NodeAction.SYNC
+
+
+class ActionKind(enum.Enum):
+    """A change the coordinator (or a closing node) makes to the state."""
+
+    ADD_TO_WAIT_LIST = "add_to_wait_list"
+    ADD_TO_REDUNDANCY_LIST = "add_to_redundancy_list"
+    #: A participant's lease ended: record it in ``lost`` (it stays in the rank table of
+    #: the completed round, which is history, until the next round completes).
+    REMOVE_FROM_PARTICIPANTS = "remove_from_participants"
+    REMOVE_FROM_WAIT_LIST = "remove_from_wait_list"
+    REMOVE_FROM_REDUNDANCY_LIST = "remove_from_redundancy_list"
+    MARK_RENDEZVOUS_COMPLETE = "mark_rendezvous_complete"
+    MARK_RENDEZVOUS_CLOSED = "mark_rendezvous_closed"
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: ActionKind
+    node_ids: tuple[str, ...] = ()
+    # MARK_RENDEZVOUS_COMPLETE only:
+    redundant: tuple[str, ...] = ()
+    master_addr: str = ""
+    master_port: int = 0
+    # MARK_RENDEZVOUS_CLOSED only:
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class CoordinatorDecision:
+    """The coordinator's step: actions to commit (maybe none) and when to look again.
+
+    Attributes:
+        actions: applied in order by :func:`apply`, committed in one transaction.
+        last_call_deadline: the running last-call deadline (monotonic seconds) to pass back
+            in next time, or None when no round is in last call.
+        wake_at: when to decide again even without an event (``math.inf``: only on events).
+    """
+
+    actions: tuple[Action, ...]
+    last_call_deadline: float | None
+    wake_at: float
+
+
+def _order_joiners(state: RdzvState, joiners: Iterable[NodeInfo]) -> list[NodeInfo]:
+    # Survivors first, in their old rank order (rank 0 stays put while alive), then
+    # newcomers by arrival (create revision of their key), then node id for determinism.
+    def key(n: NodeInfo) -> tuple[float, int, str]:
+        rank = state.rank_of(n.node_id)
+        return (math.inf if rank is None else rank, n.create_revision, n.node_id)
+
+    return sorted(joiners, key=key)
+
+
+def decide_coordinator(
+    state: RdzvState,
+    nodes: Mapping[str, NodeInfo],
+    limits: Limits,
+    now: float,
+    last_call_deadline: float | None,
+) -> CoordinatorDecision:
+    """Decide what the coordinator commits, given every live node key it sees.
+
+    Args:
+        state: the current state (as read with its revision).
+        nodes: live node records by node id (a key exists = the node's lease is alive).
+        limits: min/max nodes and the last-call timeout.
+        now: monotonic seconds.
+        last_call_deadline: from the previous decision (None at first).
+    """
+    if state.closed:
+        return CoordinatorDecision((), None, math.inf)
+    target = state.round + 1
+    joiners = _order_joiners(state, (n for n in nodes.values() if n.wanted_round == target))
+    joiner_ids = {n.node_id for n in joiners}
+    live_prev = [p for p in state.participants if p in nodes]
+
+    reopened = state.round == 0 or not live_prev or any(p in joiner_ids for p in live_prev)
+    deadline: float | None = None
+    if reopened and len(joiners) >= limits.min_nodes:
+        everyone_back = state.round > 0 and bool(live_prev) and joiner_ids.issuperset(live_prev)
+        deadline = last_call_deadline
+        if deadline is None:
+            deadline = now + limits.last_call_timeout
+        if len(joiners) >= limits.max_nodes or everyone_back or now >= deadline:
+            chosen = joiners[: limits.max_nodes]
+            rank0 = chosen[0]
+            complete = Action(
+                ActionKind.MARK_RENDEZVOUS_COMPLETE,
+                node_ids=tuple(n.node_id for n in chosen),
+                redundant=tuple(n.node_id for n in joiners[limits.max_nodes :]),
+                master_addr=rank0.addr,
+                master_port=rank0.free_port,
+            )
+            return CoordinatorDecision((complete,), None, math.inf)
+
+    actions = _bookkeeping(state, nodes, limits, joiners)
+    wake_at = deadline if deadline is not None else math.inf
+    return CoordinatorDecision(tuple(actions), deadline, wake_at)
+
+
+def _bookkeeping(
+    state: RdzvState,
+    nodes: Mapping[str, NodeInfo],
+    limits: Limits,
+    joiners: list[NodeInfo],
+) -> list[Action]:
+    """Keep the lists of a completed round in step with the live nodes."""
+    if state.round == 0:
+        return []  # nothing formed yet: everyone is simply joining the first round
+    actions: list[Action] = []
+    newly_lost = tuple(p for p in state.participants if p not in nodes and p not in state.lost)
+    if newly_lost:
+        actions.append(Action(ActionKind.REMOVE_FROM_PARTICIPANTS, newly_lost))
+    gone_waiting = tuple(n for n in state.wait_list if n not in nodes)
+    if gone_waiting:
+        actions.append(Action(ActionKind.REMOVE_FROM_WAIT_LIST, gone_waiting))
+    gone_redundant = tuple(n for n in state.redundancy_list if n not in nodes)
+    if gone_redundant:
+        actions.append(Action(ActionKind.REMOVE_FROM_REDUNDANCY_LIST, gone_redundant))
+
+    listed = set(state.wait_list) | set(state.redundancy_list)
+    unlisted = [n.node_id for n in joiners if n.node_id not in listed]
+    alive_participants = len(state.participants) - len(set(state.lost) | set(newly_lost))
+    full = alive_participants >= limits.max_nodes
+    wait = tuple(n for n in unlisted if not full or state.rank_of(n) is not None)
+    redundant = tuple(n for n in unlisted if n not in wait)
+    if wait:
+        actions.append(Action(ActionKind.ADD_TO_WAIT_LIST, wait))
+    if redundant:
+        actions.append(Action(ActionKind.ADD_TO_REDUNDANCY_LIST, redundant))
+    return actions
+
+
+def _without(items: tuple[str, ...], drop: tuple[str, ...]) -> tuple[str, ...]:
+    gone = set(drop)
+    return tuple(i for i in items if i not in gone)
+
+
+def _with(items: tuple[str, ...], add: tuple[str, ...]) -> tuple[str, ...]:
+    present = set(items)
+    return items + tuple(i for i in add if i not in present)
+
+
+def apply(
+    state: RdzvState, actions: Iterable[Action], *, written_by: str = "", now_unix_ms: int = 0
+) -> RdzvState:
+    """Return the state after ``actions``; never mutates ``state``.
+
+    Args:
+        written_by: recorded in the state for operators.
+        now_unix_ms: wall-clock time recorded at completion (informational only).
+    """
+    for action in actions:
+        kind, ids = action.kind, action.node_ids
+        if kind is ActionKind.ADD_TO_WAIT_LIST:
+            state = replace(state, wait_list=_with(state.wait_list, ids))
+        elif kind is ActionKind.ADD_TO_REDUNDANCY_LIST:
+            state = replace(state, redundancy_list=_with(state.redundancy_list, ids))
+        elif kind is ActionKind.REMOVE_FROM_PARTICIPANTS:
+            state = replace(state, lost=_with(state.lost, ids))
+        elif kind is ActionKind.REMOVE_FROM_WAIT_LIST:
+            state = replace(state, wait_list=_without(state.wait_list, ids))
+        elif kind is ActionKind.REMOVE_FROM_REDUNDANCY_LIST:
+            state = replace(state, redundancy_list=_without(state.redundancy_list, ids))
+        elif kind is ActionKind.MARK_RENDEZVOUS_COMPLETE:
+            state = replace(
+                state,
+                round=state.round + 1,
+                participants=ids,
+                wait_list=(),
+                redundancy_list=action.redundant,
+                lost=(),
+                master_addr=action.master_addr,
+                master_port=action.master_port,
+                completed_at_unix_ms=now_unix_ms,
+            )
+        elif kind is ActionKind.MARK_RENDEZVOUS_CLOSED:
+            state = replace(state, closed=True, closed_reason=action.reason)
+    return replace(state, written_by=written_by) if written_by else state
+
+
+def close(state: RdzvState, reason: str) -> tuple[Action, ...]:
+    """The actions that close the run (none if it is closed already)."""
+    if state.closed:
+        return ()
+    return (Action(ActionKind.MARK_RENDEZVOUS_CLOSED, reason=reason),)
