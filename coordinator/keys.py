@@ -26,6 +26,7 @@ __all__ = [
     "encode_store_key",
     "join_store_key",
     "make_node_id",
+    "round_store_prefix",
     "validate_key_prefix",
     "validate_node_id",
     "validate_run_id",
@@ -170,6 +171,20 @@ def join_store_key(prefix: bytes, user_key: str | bytes) -> bytes:
     return prefix + encode_store_key(user_key)
 
 
+def round_store_prefix(store_root: bytes, round: int) -> bytes:
+    """``<store_root><round>/``: the folder of one round's Store (ends with ``/``).
+
+    Raises:
+        ValueError: ``round`` is not a non-negative int, or ``store_root`` does not end
+            with ``/``.
+    """
+    if isinstance(round, bool) or not isinstance(round, int) or round < 0:
+        raise ValueError(f"round {round!r} must be a non-negative int")
+    if not store_root.endswith(b"/"):
+        raise ValueError(f"store root {store_root!r} must end with '/'")
+    return store_root + str(round).encode("ascii") + b"/"
+
+
 @dataclass(frozen=True)
 class RunKeys:
     """The etcd keys of one run. Validates both parts at construction.
@@ -234,9 +249,7 @@ class RunKeys:
         Raises:
             ValueError: ``round`` is not a non-negative int.
         """
-        if isinstance(round, bool) or not isinstance(round, int) or round < 0:
-            raise ValueError(f"round {round!r} must be a non-negative int")
-        return self.store_root + str(round).encode("ascii") + b"/"
+        return round_store_prefix(self.store_root, round)
 
     def store_key(self, round: int, user_key: str | bytes) -> bytes:
         """The etcd key of Store key ``user_key`` in ``round`` (see :func:`encode_store_key`)."""

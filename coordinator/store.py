@@ -1,0 +1,369 @@
+"""``EtcdStore``: a ``torch.distributed.Store`` kept in etcd, scoped to one run and round.
+
+Workers and agents use it exactly like torch's ``TCPStore`` (the contract suite in
+``tests/integration/test_store.py`` runs against both), but nothing lives inside one
+agent: losing any host loses no key. Every Store key sits under one round's folder,
+``<key_prefix>/<run_id>/store/<round>/``, percent-encoded by
+:func:`coordinator.keys.join_store_key` so no key can leave it.
+
+Semantics, case by case (as ``TCPStore`` behaves in torch 2.13):
+
+* ``set(k, v)`` overwrites; ``get(k)`` returns bytes and blocks until ``k`` exists, up to
+  the store timeout, then raises ``torch.distributed.DistStoreError``.
+* ``add(k, n)`` treats the value as decimal text, creates it with ``n`` when absent and
+  returns the new value; atomic (revision-guarded compare-and-swap loop).
+* ``compare_set(k, expected, desired)``: if ``k`` holds ``expected`` (or is absent and
+  ``expected`` is empty) it becomes ``desired``; returns the value ``k`` then holds, or
+  ``expected`` when ``k`` is absent and ``expected`` is not empty.
+* ``wait(keys[, timeout])`` / ``multi_get(keys)`` block like ``get`` with one deadline for
+  all keys; a zero timeout checks once.
+* ``check``, ``delete_key``, ``num_keys`` (keys of this round only), ``multi_set`` (one
+  transaction), ``append`` (atomic; creates), ``list_keys``.
+
+Blocking reads never poll: read, and if the key is absent watch exactly that key from the
+read revision + 1, so a put between the read and the watch is still seen.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+from torch.distributed import (  # type: ignore[attr-defined]
+    DistStoreError,
+    Store,
+)
+
+from coordinator.etcd_client import EtcdClient, KeyValue, WatchEvent
+from coordinator.keys import decode_store_key, join_store_key, round_store_prefix
+
+__all__ = ["EtcdStore", "delete_round", "delete_rounds_before"]
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+
+def _to_bytes(what: str, value: str | bytes | bytearray | memoryview) -> bytes:
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise TypeError(f"store {what} must be str or bytes, not {type(value).__name__}")
+
+
+class EtcdStore(Store):
+    """A torch Store over etcd, holding the keys of one run's round.
+
+    Args:
+        client: an open :class:`~coordinator.etcd_client.EtcdClient`; shared, not owned.
+        prefix: the round's folder, ``RunKeys.store_prefix(round)`` (ends with ``/``).
+        timeout: default timeout of blocking ``get``/``wait``/``multi_get``
+            (``set_timeout`` changes it).
+        clock: monotonic seconds; injected so tests can reason about deadlines.
+
+    Raises:
+        ValueError: ``prefix`` does not end with ``/``.
+    """
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        prefix: bytes,
+        timeout: timedelta,
+        *,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        super().__init__()  # the pybind trampoline needs the C++ base initialised
+        if not prefix.endswith(b"/"):
+            raise ValueError(f"store prefix {prefix!r} must end with '/'")
+        self._client = client
+        self._prefix = prefix
+        self._clock = clock
+        self.set_timeout(timeout)
+
+    @property
+    def prefix(self) -> bytes:
+        """The etcd folder of this store."""
+        return self._prefix
+
+    def _key(self, key: str | bytes) -> bytes:
+        return join_store_key(self._prefix, key)
+
+    # -- writes ------------------------------------------------------------------------
+
+    def set(self, key: str | bytes, value: str | bytes) -> None:
+        """Store ``value`` under ``key``, replacing any value."""
+        self._client.put(self._key(key), _to_bytes("value", value))
+
+    def add(self, key: str | bytes, amount: int) -> int:
+        """Add ``amount`` to the decimal counter at ``key`` (absent: 0) and return the sum.
+
+        Raises:
+            DistStoreError: the key holds something that is not a decimal integer.
+        """
+        etcd_key = self._key(key)
+        current, _ = self._client.get(etcd_key)
+        while True:
+            base = 0 if current is None else self._as_int(key, current.value)
+            total = base + int(amount)
+            result = self._client.put_if_mod_revision(
+                etcd_key, str(total).encode("ascii"), self._mod_revision(current)
+            )
+            if result.succeeded:
+                return total
+            # Lost a race: the failed transaction already read the winner's value.
+            current = result.current
+
+    def append(self, key: str | bytes, value: str | bytes) -> None:
+        """Append ``value`` to the bytes at ``key``, creating it when absent (atomic)."""
+        etcd_key = self._key(key)
+        tail = _to_bytes("value", value)
+        current, _ = self._client.get(etcd_key)
+        while True:
+            head = b"" if current is None else current.value
+            result = self._client.put_if_mod_revision(
+                etcd_key, head + tail, self._mod_revision(current)
+            )
+            if result.succeeded:
+                return
+            current = result.current
+
+    def compare_set(
+        self, key: str | bytes, expected_value: str | bytes, desired_value: str | bytes
+    ) -> bytes:
+        """Set ``key`` to ``desired_value`` if it holds ``expected_value``; see module doc.
+
+        Returns:
+            the value ``key`` holds afterwards (``expected_value`` if ``key`` is absent and
+            ``expected_value`` is not empty: torch's TCPStore answers so).
+        """
+        etcd_key = self._key(key)
+        expected = _to_bytes("expected value", expected_value)
+        desired = _to_bytes("desired value", desired_value)
+        current, _ = self._client.get(etcd_key)
+        while True:
+            if current is None and expected:
+                return expected
+            if current is not None and current.value != expected:
+                return current.value
+            result = self._client.put_if_mod_revision(
+                etcd_key, desired, self._mod_revision(current)
+            )
+            if result.succeeded:
+                return desired
+            current = result.current
+
+    def multi_set(self, keys: Sequence[str | bytes], values: Sequence[str | bytes]) -> None:
+        """Set every ``keys[i]`` to ``values[i]`` in one etcd transaction.
+
+        A key given twice takes its last value, as with repeated ``set``.
+
+        Raises:
+            DistStoreError: ``keys`` and ``values`` differ in length.
+        """
+        if len(keys) != len(values):
+            raise DistStoreError(
+                f"multi_set got {len(keys)} keys and {len(values)} values; give one value per key"
+            )
+        pairs = {self._key(k): _to_bytes("value", v) for k, v in zip(keys, values, strict=True)}
+        if not pairs:
+            return
+        # etcd's transactions put unconditionally only behind a compare; guard on the
+        # first key's revision and retry with the value the failed transaction read.
+        items = list(pairs.items())
+        (first_key, first_value), rest = items[0], items[1:]
+        current, _ = self._client.get(first_key)
+        while True:
+            result = self._client.put_if_mod_revision(
+                first_key,
+                first_value,
+                self._mod_revision(current),
+                also_put=[(k, v, 0) for k, v in rest],
+            )
+            if result.succeeded:
+                return
+            current = result.current
+
+    def delete_key(self, key: str | bytes) -> bool:
+        """Delete ``key``; return whether it existed."""
+        deleted, _ = self._client.delete(self._key(key))
+        return deleted > 0
+
+    # -- reads -------------------------------------------------------------------------
+
+    def get(self, key: str | bytes) -> bytes:
+        """Return the value of ``key``, waiting up to the store timeout for it to appear.
+
+        Raises:
+            DistStoreError: the key did not appear in time.
+        """
+        return self._wait_all([key], self._deadline(None))[0].value
+
+    def multi_get(self, keys: Sequence[str | bytes]) -> list[bytes]:
+        """Return the values of ``keys`` in order, waiting for each like :meth:`get`."""
+        return [kv.value for kv in self._wait_all(keys, self._deadline(None))]
+
+    def wait(self, keys: Sequence[str | bytes], timeout: timedelta | None = None) -> None:
+        """Block until every key exists, up to ``timeout`` (default: the store timeout).
+
+        Raises:
+            DistStoreError: some key did not appear in time.
+        """
+        self._wait_all(keys, self._deadline(timeout))
+
+    def check(self, keys: Sequence[str | bytes]) -> bool:
+        """Return whether every key exists now (no waiting)."""
+        return all(self._client.get(self._key(k))[0] is not None for k in keys)
+
+    def num_keys(self) -> int:
+        """Number of keys in this store (this round only)."""
+        count, _ = self._client.count_prefix(self._prefix)
+        return count
+
+    def list_keys(self) -> list[str]:
+        """The keys of this store (this round only), decoded; bytes that are not UTF-8
+        are shown as ``\\xNN``."""
+        kvs, _ = self._client.get_prefix(self._prefix, keys_only=True)
+        keys = []
+        for kv in kvs:
+            try:
+                raw = decode_store_key(kv.key[len(self._prefix) :])
+            except ValueError:
+                log.warning("ignoring foreign key %r in store %r", kv.key, self._prefix)
+                continue
+            keys.append(raw.decode("utf-8", "backslashreplace"))
+        return keys
+
+    def has_extended_api(self) -> bool:
+        """``True``: ``append``, ``multi_get`` and ``multi_set`` are supported."""
+        return True
+
+    # -- blocking ----------------------------------------------------------------------
+
+    def _deadline(self, timeout: timedelta | None) -> float:
+        # ``timeout`` is the base class's property (set_timeout); torch's stub omits it.
+        default: timedelta = self.timeout  # type: ignore[attr-defined]
+        span = default if timeout is None else timeout
+        return self._clock() + span.total_seconds()
+
+    def _wait_all(self, keys: Sequence[str | bytes], deadline: float) -> list[KeyValue]:
+        start = self._clock()
+        found = []
+        for key in keys:
+            kv = self._wait_one(self._key(key), deadline)
+            if kv is None:
+                waited_ms = round((self._clock() - start) * 1000)
+                shown = ", ".join(repr(k) for k in keys)
+                raise DistStoreError(
+                    f"wait timeout after {waited_ms}ms, keys: {shown} (etcd store "
+                    f"{self._prefix.decode('utf-8', 'backslashreplace')}); raise the store "
+                    "timeout (rdzv_conf timeout=SECONDS) or check that the process that "
+                    "sets these keys is alive"
+                )
+            found.append(kv)
+        return found
+
+    def _wait_one(self, etcd_key: bytes, deadline: float) -> KeyValue | None:
+        """The key's value once it exists, or None at ``deadline``."""
+        kv, revision = self._client.get(etcd_key)
+        while kv is None:
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                return None
+            kv, revision, compacted = self._watch_for_put(etcd_key, revision + 1, remaining)
+            if compacted:
+                # The history we asked for is gone: read the present and watch again.
+                kv, revision = self._client.get(etcd_key)
+        return kv
+
+    def _watch_for_put(
+        self, etcd_key: bytes, start_revision: int, timeout: float
+    ) -> tuple[KeyValue | None, int, bool]:
+        """Wait for a put on ``etcd_key`` from ``start_revision``.
+
+        Returns (kv or None on timeout, last revision seen, whether history was compacted).
+
+        Raises:
+            the error etcd cancelled the watch with (a ``coordinator.errors`` type).
+        """
+        arrived = threading.Event()
+        box: list[KeyValue] = []
+        seen = [start_revision - 1]
+        compacted = [False]
+        errors: list[Exception] = []
+
+        def on_events(events: list[WatchEvent], revision: int) -> None:
+            seen[0] = max(seen[0], revision)
+            for event in events:
+                if event.kind == "put" and event.kv.key == etcd_key:
+                    box.append(event.kv)
+                    arrived.set()
+                    return
+
+        def on_compacted(_revision: int) -> None:
+            compacted[0] = True
+            arrived.set()
+
+        def on_error(error: Exception) -> None:
+            # etcd cancelled the watch (e.g. permission lost): fail now, not at timeout.
+            errors.append(error)
+            arrived.set()
+
+        watch = self._client.watch(
+            etcd_key, start_revision, on_events, on_compacted, on_error=on_error
+        )
+        try:
+            arrived.wait(timeout)
+        finally:
+            watch.cancel()
+        if errors and not box:
+            raise errors[0]
+        return (box[0] if box else None), seen[0], compacted[0]
+
+    # -- helpers -----------------------------------------------------------------------
+
+    @staticmethod
+    def _mod_revision(current: KeyValue | None) -> int:
+        # etcd compares mod_revision 0 as "the key does not exist".
+        return 0 if current is None else current.mod_revision
+
+    def _as_int(self, key: str | bytes, value: bytes) -> int:
+        try:
+            return int(value.decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            raise DistStoreError(
+                f"add on store key {key!r}: its value {value[:40]!r} is not a decimal "
+                "integer; use a key that only add() writes"
+            ) from None
+
+
+def delete_round(client: EtcdClient, store_root: bytes, round: int) -> int:
+    """Delete every Store key of ``round`` under ``store_root``; return how many."""
+    deleted, _ = client.delete_prefix(round_store_prefix(store_root, round))
+    return deleted
+
+
+def delete_rounds_before(client: EtcdClient, store_root: bytes, round: int) -> int:
+    """Delete the Store keys of every round below ``round``; return how many keys.
+
+    Keys under ``store_root`` whose folder is not a round number are left alone (and
+    logged): they are not ours to remove.
+
+    Raises:
+        ValueError: ``store_root`` does not end with ``/`` or ``round`` is negative.
+    """
+    round_store_prefix(store_root, round)  # validates both
+    kvs, _ = client.get_prefix(store_root, keys_only=True)
+    old_rounds: set[int] = set()
+    for kv in kvs:
+        folder = kv.key[len(store_root) :].split(b"/", 1)[0]
+        if not folder.isdigit() or folder != str(int(folder)).encode("ascii"):
+            log.warning("not deleting foreign key %r under store root %r", kv.key, store_root)
+            continue
+        if int(folder) < round:
+            old_rounds.add(int(folder))
+    return sum(delete_round(client, store_root, r) for r in sorted(old_rounds))
