@@ -229,7 +229,7 @@ def backoff_delay(
 def classify_status(code: Any, details: str) -> str:
     """Map a gRPC status from etcd to one of the failure kinds of this module."""
     text = details.lower()
-    if "invalid auth token" in text or "auth revision is old" in text:
+    if "invalid auth token" in text or "revision of auth store is old" in text:
         return REAUTH
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return REAUTH

@@ -1,0 +1,506 @@
+"""coordinator.etcd_client against real etcd: KV and CAS, watches, leases, failover, auth, TLS.
+
+Every test uses its own key prefix (from ``run_id``); tests that break a cluster, enable
+auth or need TLS start their own etcd and stop it even on failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from etcd3 import etcdrpc
+
+from coordinator.errors import EtcdAuthError, EtcdConnectionError, EtcdTLSError
+from coordinator.etcd_client import EtcdClient, EtcdConfig, KeyValue, WatchEvent
+from coordinator.etcd_server import EtcdCluster, find_etcd_binary, free_port
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+def threads_reaped() -> Iterator[None]:
+    """Every thread a test's clients started is gone once they are closed."""
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + 5
+    leaked = [t for t in threading.enumerate() if t not in before]
+    for thread in leaked:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    still = [t.name for t in leaked if t.is_alive()]
+    assert not still, f"threads left running after the clients closed: {still}"
+
+
+def _client(endpoints: list[str], **kwargs: Any) -> EtcdClient:
+    options: dict[str, Any] = {"request_timeout": 2.0, "retry_budget": 10.0, **kwargs}
+    rng = options.pop("rng", None)
+    return EtcdClient(EtcdConfig(endpoints=tuple(endpoints), **options), rng=rng)
+
+
+@pytest.fixture
+def prefix(run_id: str) -> bytes:
+    return f"/etcd-client-test/{run_id}/".encode()
+
+
+class Recorder:
+    """Collects watch callbacks; tests wait on it with a bound, never a bare sleep."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.events: list[WatchEvent] = []
+        self.compacted: list[int] = []
+        self.errors: list[Exception] = []
+
+    def on_events(self, events: list[WatchEvent], revision: int) -> None:
+        with self.cond:
+            self.events.extend(events)
+            self.cond.notify_all()
+
+    def on_compacted(self, revision: int) -> None:
+        with self.cond:
+            self.compacted.append(revision)
+            self.cond.notify_all()
+
+    def on_error(self, error: Exception) -> None:
+        with self.cond:
+            self.errors.append(error)
+            self.cond.notify_all()
+
+    def wait(self, predicate: Any, timeout: float = 10.0) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: predicate(self), timeout), (
+                f"watch did not deliver in {timeout} s: {len(self.events)} events, "
+                f"compacted={self.compacted}, errors={self.errors}"
+            )
+
+
+# -- KV and CAS ---------------------------------------------------------------------------
+
+
+def test_cas_create_only_success_and_failure_returning_the_current_value(
+    etcd_any: EtcdCluster, prefix: bytes
+) -> None:
+    key = prefix + b"state"
+    with _client(etcd_any.endpoints) as client:
+        first = client.put_if_mod_revision(key, b"v1", 0, also_put=[(prefix + b"n/a", b"a", 0)])
+        assert first.succeeded and first.current is None
+        kv, rev = client.get(key)
+        assert kv is not None and kv.value == b"v1" and kv.mod_revision == first.revision == rev
+
+        again = client.put_if_mod_revision(key, b"other", 0)
+        assert not again.succeeded
+        assert again.current == kv
+
+        second = client.put_if_mod_revision(
+            key, b"v2", kv.mod_revision, also_delete_prefixes=[prefix + b"n/"]
+        )
+        assert second.succeeded and second.revision > kv.mod_revision
+        assert client.count_prefix(prefix + b"n/")[0] == 0
+
+        stale = client.put_if_mod_revision(key, b"v3", kv.mod_revision)
+        assert not stale.succeeded
+        assert stale.current is not None and stale.current.value == b"v2"
+        assert stale.current.mod_revision == second.revision and stale.current.version == 2
+
+        lost = client.delete_if_mod_revision(key, kv.mod_revision)
+        assert not lost.succeeded and lost.current == stale.current
+        won = client.delete_if_mod_revision(key, second.revision)
+        assert won.succeeded
+        assert client.get(key) == (None, won.revision)
+        gone = client.put_if_mod_revision(key, b"v4", second.revision)
+        assert not gone.succeeded and gone.current is None
+
+
+def test_prefix_ops_sorting_limits_and_deletes(etcd1: EtcdCluster, prefix: bytes) -> None:
+    with _client(etcd1.endpoints) as client:
+        # Created in the order c, a, b: key order and create order differ.
+        revs = {name: client.put(prefix + b"n/" + name, name * 2) for name in (b"c", b"a", b"b")}
+        client.put(prefix + b"n0", b"outside the n/ prefix")
+
+        kvs, rev = client.get_prefix(prefix + b"n/")
+        assert [kv.key[-1:] for kv in kvs] == [b"a", b"b", b"c"]
+        assert rev >= revs[b"b"]
+        by_create, _ = client.get_prefix(prefix + b"n/", sort_by_create=True)
+        assert [kv.key[-1:] for kv in by_create] == [b"c", b"a", b"b"]
+        newest, _ = client.get_prefix(prefix + b"n/", sort_by_create=True, descending=True, limit=2)
+        assert [kv.key[-1:] for kv in newest] == [b"b", b"a"]
+        early, _ = client.get_prefix(prefix + b"n/", max_create_revision=revs[b"a"])
+        assert [kv.key[-1:] for kv in early] == [b"a", b"c"]
+        keys, _ = client.get_prefix(prefix + b"n/", keys_only=True)
+        assert [kv.value for kv in keys] == [b"", b"", b""]
+        assert client.count_prefix(prefix + b"n/")[0] == 3
+
+        lease = client.lease_grant(30)
+        client.put(prefix + b"leased", b"x", lease=lease)
+        leased, _ = client.get(prefix + b"leased")
+        assert leased is not None and leased.lease == lease
+        client.lease_revoke(lease)
+        client.lease_revoke(lease)  # already gone: not an error
+        assert client.get(prefix + b"leased")[0] is None
+        assert client.lease_time_to_live(lease) == -1
+
+        assert client.delete(prefix + b"n/a")[0] == 1
+        assert client.delete(prefix + b"n/a")[0] == 0
+        deleted, rev = client.delete_prefix(prefix + b"n/")
+        assert deleted == 2
+        assert client.get_prefix(prefix + b"n/") == ([], rev)
+        assert client.count_prefix(prefix)[0] == 1  # n0 survived
+
+
+# -- watches ------------------------------------------------------------------------------
+
+
+def test_watch_delivers_puts_and_deletes_from_the_start_revision(
+    etcd1: EtcdCluster, prefix: bytes
+) -> None:
+    with _client(etcd1.endpoints) as client:
+        start = client.put(prefix + b"a", b"1")  # before the watch exists
+        client.put(prefix + b"b", b"2")
+        client.delete(prefix + b"a")
+        rec = Recorder()
+        watch = client.watch(
+            prefix, start, rec.on_events, rec.on_compacted, prefix=True, prev_kv=True
+        )
+        rec.wait(lambda r: len(r.events) == 3)
+        assert [(e.kind, e.kv.key[-1:]) for e in rec.events] == [
+            ("put", b"a"),
+            ("put", b"b"),
+            ("delete", b"a"),
+        ]
+        assert rec.events[2].prev_kv is not None and rec.events[2].prev_kv.value == b"1"
+        assert rec.events[2].kv.mod_revision > rec.events[1].kv.mod_revision
+
+        one = Recorder()
+        client.watch(prefix + b"b", 0, one.on_events, one.on_compacted)  # from now, one key
+        # The create is asynchronous: retry the write until the watch has seen one.
+        deadline = time.monotonic() + 10
+        while not one.events and time.monotonic() < deadline:
+            client.put(prefix + b"b", b"3")
+            with one.cond:
+                one.cond.wait_for(lambda: bool(one.events), 0.2)
+        assert one.events and one.events[0].kv.value == b"3"
+
+        watch.cancel()
+        watch.cancel()
+        seen = len(rec.events)  # no callback of a cancelled watch starts after cancel()
+        client.put(prefix + b"c", b"after cancel")
+        one_more = client.put(prefix + b"b", b"4")
+        one.wait(lambda r: r.events[-1].kv.mod_revision == one_more)
+        assert len(rec.events) == seen
+
+
+def test_many_short_watches_share_one_stream_and_thread(etcd1: EtcdCluster, prefix: bytes) -> None:
+    with _client(etcd1.endpoints) as client:
+        rev = client.put(prefix + b"seed", b"")
+        threads_before = threading.active_count()
+        recs = [Recorder() for _ in range(200)]
+        watches = [
+            client.watch(prefix + b"k%d" % i, rev + 1, r.on_events, r.on_compacted)
+            for i, r in enumerate(recs)
+        ]
+        assert threading.active_count() - threads_before <= 3  # watch thread + gRPC's
+        for i in range(0, 200, 20):
+            client.put(prefix + b"k%d" % i, b"v")
+        for i in range(0, 200, 20):
+            recs[i].wait(lambda r: len(r.events) == 1)
+        for watch in watches:
+            watch.cancel()
+        assert [t.name for t in threading.enumerate()].count("etcd-watch") == 1
+
+
+def test_watch_reports_compaction_and_restarts_from_the_compact_revision(
+    etcd1: EtcdCluster, prefix: bytes
+) -> None:
+    with _client(etcd1.endpoints) as client:
+        first = client.put(prefix + b"k", b"0")
+        revs = [client.put(prefix + b"k", b"%d" % i) for i in range(1, 4)]
+        compact_at = revs[-1]
+        # Compaction of history only (current values stay): other tests read at or after
+        # their own revisions, which are newer.
+        channel = grpc.insecure_channel(etcd1.endpoints[0])
+        try:
+            etcdrpc.KVStub(channel).Compact(
+                etcdrpc.CompactionRequest(revision=compact_at, physical=True), timeout=10
+            )
+        finally:
+            channel.close()
+        rec = Recorder()
+        client.watch(prefix + b"k", first, rec.on_events, rec.on_compacted)
+        rec.wait(lambda r: bool(r.compacted))
+        assert rec.compacted == [compact_at] and rec.events == []
+
+        again = Recorder()
+        client.watch(prefix + b"k", compact_at, again.on_events, again.on_compacted)
+        again.wait(lambda r: bool(r.events))
+        assert again.events[0].kv.mod_revision == compact_at and again.compacted == []
+
+
+def test_watch_resumes_without_loss_or_duplicates_after_its_member_is_killed(
+    fresh_cluster3: EtcdCluster, prefix: bytes
+) -> None:
+    cluster = fresh_cluster3
+    with _client(cluster.endpoints) as client:
+        start = client.put(prefix + b"k00", b"0")
+        rec = Recorder()
+        client.watch(prefix, start, rec.on_events, rec.on_compacted, prefix=True)
+        rec.wait(lambda r: len(r.events) == 1)
+        lease = client.lease_grant(5)
+        keepalive = client.keep_alive(lease, 5)
+        victim = client.watch_endpoint
+        assert victim is not None
+        others = [e for e in cluster.endpoints if e != victim]
+        with _client(others, retry_budget=20.0) as writer:
+            for i in range(1, 10):
+                writer.put(prefix + b"k%02d" % i, b"%d" % i)
+            cluster.kill(cluster.endpoints.index(victim))
+            for i in range(10, 30):
+                writer.put(prefix + b"k%02d" % i, b"%d" % i)
+        rec.wait(lambda r: len(r.events) >= 30, timeout=30)
+        keys = [e.kv.key for e in rec.events]
+        assert keys == [prefix + b"k%02d" % i for i in range(30)]
+        revisions = [e.kv.mod_revision for e in rec.events]
+        assert revisions == sorted(set(revisions))
+        assert client.watch_endpoint in others
+        assert not keepalive.lost()
+        assert client.lease_time_to_live(lease) > 0
+        keepalive.close()
+        assert client.lease_time_to_live(lease) == -1
+
+
+# -- leases -------------------------------------------------------------------------------
+
+
+def test_keep_alive_holds_a_2s_lease_for_6s_then_revoke_on_close(
+    etcd1: EtcdCluster, prefix: bytes
+) -> None:
+    with _client(etcd1.endpoints) as client:
+        lease = client.lease_grant(2)
+        client.put(prefix + b"node", b"alive", lease=lease)
+        lost: list[int] = []
+        keepalive = client.keep_alive(lease, 2, on_lost=lambda: lost.append(1))
+        assert not keepalive.wait_lost(6.5)  # three TTLs
+        assert client.get(prefix + b"node")[0] is not None
+        assert client.lease_time_to_live(lease) > 0
+        keepalive.close(revoke=True)
+        assert client.lease_time_to_live(lease) == -1
+        assert client.get(prefix + b"node")[0] is None
+        assert lost == [] and not keepalive.lost()
+
+
+def test_keep_alive_reports_a_lease_revoked_by_another_client(
+    etcd1: EtcdCluster, prefix: bytes
+) -> None:
+    with _client(etcd1.endpoints) as owner, _client(etcd1.endpoints) as other:
+        lease = owner.lease_grant(3)
+        lost: list[int] = []
+        keepalive = owner.keep_alive(lease, 3, on_lost=lambda: lost.append(1))
+        other.lease_revoke(lease)
+        began = time.monotonic()
+        assert keepalive.wait_lost(10)
+        assert time.monotonic() - began < 3 + 1  # noticed at the next keep-alive (ttl/3)
+        assert keepalive.lost() and lost == [1]
+        keepalive.close()
+        assert lost == [1]
+
+
+def test_keep_alive_reports_loss_within_about_a_ttl_when_no_member_answers(
+    prefix: bytes,
+) -> None:
+    with EtcdCluster(1, no_fsync=True) as cluster, _client(cluster.endpoints) as client:
+        lease = client.lease_grant(2)
+        lost: list[int] = []
+        keepalive = client.keep_alive(lease, 2, on_lost=lambda: lost.append(1))
+        assert not keepalive.wait_lost(1.0)
+        cluster.stop()
+        began = time.monotonic()
+        assert keepalive.wait_lost(10)
+        assert time.monotonic() - began < 2 + 1.5
+        assert lost == [1]
+        keepalive.close()  # revoking is impossible now; bounded, and no error
+
+
+# -- failover -----------------------------------------------------------------------------
+
+
+class _FirstEndpoint:
+    """An rng whose first pick is endpoint 0, so the dead endpoint is tried first."""
+
+    def randrange(self, n: int) -> int:
+        return 0
+
+    def random(self) -> float:
+        return 0.5
+
+
+def test_get_fails_over_past_a_dead_first_endpoint(etcd1: EtcdCluster, prefix: bytes) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    with _client([dead, *etcd1.endpoints], rng=_FirstEndpoint()) as client:
+        assert client.current_endpoint == dead
+        began = time.monotonic()
+        assert client.get(prefix + b"absent")[0] is None
+        assert time.monotonic() - began < 2
+        assert client.current_endpoint == etcd1.endpoints[0]
+
+
+def test_all_endpoints_dead_raises_naming_them_within_the_budget() -> None:
+    dead = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    with _client(dead, request_timeout=0.5, retry_budget=1.0, rng=_FirstEndpoint()) as client:
+        began = time.monotonic()
+        with pytest.raises(EtcdConnectionError) as info:
+            client.put(b"/etcd-client-test/x", b"")
+        assert time.monotonic() - began < 1.0 + 2 * 0.5 + 1.0
+    message = str(info.value)
+    assert message.startswith(
+        f"no etcd member answered put within 1 s; tried {dead[0]}, {dead[1]}; last error from "
+    )
+    assert "UNAVAILABLE" in message
+    assert message.endswith("Check that etcd runs and is reachable at these endpoints")
+    assert isinstance(info.value.__cause__, grpc.RpcError)
+
+
+# -- auth ---------------------------------------------------------------------------------
+
+
+def _etcdctl(endpoint: str, *args: str) -> None:
+    etcdctl = Path(sys.executable).parent / "etcdctl"
+    command = [str(etcdctl), f"--endpoints={endpoint}", *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 0, f"{command}: {done.stdout}{done.stderr}"
+
+
+def test_auth_good_and_bad_passwords_permissions_and_token_refresh(prefix: bytes) -> None:
+    # Tokens live 1 s here, so the client must re-authenticate after an idle pause.
+    with EtcdCluster(1, no_fsync=True, extra_args=["--auth-token-ttl=1"]) as cluster:
+        ep = cluster.endpoints[0]
+        allowed = prefix + b"allowed/"
+        for args in (
+            ("user", "add", "root:rootpw"),
+            ("role", "add", "root"),
+            ("user", "grant-role", "root", "root"),
+            ("role", "add", "app"),
+            ("role", "grant-permission", "app", "--prefix=true", "readwrite", allowed.decode()),
+            ("user", "add", "alice:alicepw"),
+            ("user", "grant-role", "alice", "app"),
+            ("auth", "enable"),
+        ):
+            _etcdctl(ep, *args)
+
+        with _client([ep], user="root", password="rootpw") as root:
+            root.put(prefix + b"anything", b"1")
+            assert root.get(prefix + b"anything")[0] is not None
+
+        bad = _client([ep], user="alice", password="wrong")
+        with bad, pytest.raises(EtcdAuthError) as info:
+            bad.get(allowed + b"k")
+        assert str(info.value) == (
+            "etcd rejected the credentials of user 'alice' (etcdserver: authentication failed, "
+            "invalid user ID or password); check the user and password settings"
+        )
+
+        anonymous = _client([ep])
+        with anonymous, pytest.raises(EtcdAuthError) as info:
+            anonymous.get(allowed + b"k")
+        assert str(info.value) == (
+            f"etcd refused get on key {allowed + b'k'!r}: etcdserver: user name is empty; "
+            "etcd has auth enabled: set the user and password settings"
+        )
+
+        with _client([ep], user="alice", password="alicepw") as alice:
+            alice.put(allowed + b"k", b"v")
+            denied = prefix + b"secret"
+            with pytest.raises(EtcdAuthError) as info:
+                alice.put(denied, b"v")
+            assert str(info.value) == (
+                f"etcd user 'alice' is not permitted to put on key {denied!r} "
+                "(etcdserver: permission denied); grant the user's role readwrite on the key "
+                "prefix"
+            )
+            rec = Recorder()
+            alice.watch(denied, 0, rec.on_events, rec.on_compacted, on_error=rec.on_error)
+            rec.wait(lambda r: bool(r.errors))
+            assert isinstance(rec.errors[0], EtcdAuthError)
+            assert str(denied) in str(rec.errors[0])
+
+            token = alice._token
+            time.sleep(3)  # let the 1 s token expire (the condition here is time itself)
+            kv, _ = alice.get(allowed + b"k")
+            assert kv is not None and kv.value == b"v"
+            assert alice._token not in (None, token)
+
+
+# -- TLS ----------------------------------------------------------------------------------
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def _make_pki(d: Path, name: str) -> None:
+    """A CA ``{name}-ca`` and server/client certificates for 127.0.0.1 signed by it."""
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *ec, "-keyout", f"{name}-ca.key", "-out", f"{name}-ca.pem",
+             "-days", "2", "-subj", f"/CN={name}-ca", cwd=d)  # fmt: skip
+    for role, usage in (("server", "serverAuth"), ("client", "clientAuth")):
+        (d / f"{role}.ext").write_text(f"subjectAltName=IP:127.0.0.1\nextendedKeyUsage={usage}\n")
+        _openssl("req", *ec, "-keyout", f"{name}-{role}.key", "-out", f"{role}.csr",
+                 "-subj", f"/CN={role}", cwd=d)  # fmt: skip
+        _openssl("x509", "-req", "-in", f"{role}.csr", "-CA", f"{name}-ca.pem",
+                 "-CAkey", f"{name}-ca.key", "-CAcreateserial", "-days", "2",
+                 "-extfile", f"{role}.ext", "-out", f"{name}-{role}.pem", cwd=d)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _tls_etcd(d: Path) -> Iterator[str]:
+    port, peer = free_port(), free_port()
+    url = f"https://127.0.0.1:{port}"
+    argv = [
+        str(find_etcd_binary()), "--name", "tls", "--data-dir", str(d / "data"),
+        "--listen-client-urls", url, "--advertise-client-urls", url,
+        "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+        "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+        "--initial-cluster", f"tls=http://127.0.0.1:{peer}",
+        "--cert-file", str(d / "a-server.pem"), "--key-file", str(d / "a-server.key"),
+        "--trusted-ca-file", str(d / "a-ca.pem"), "--client-cert-auth",
+        "--log-level", "error",
+    ]  # fmt: skip
+    with open(d / "etcd.log", "wb") as log_file:
+        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
+def test_tls_connection_and_refused_handshake(tmp_path: Path, prefix: bytes) -> None:
+    _make_pki(tmp_path, "a")
+    _make_pki(tmp_path, "b")  # an unrelated CA: the server's certificate fails against it
+    with _tls_etcd(tmp_path) as endpoint:
+        files = {
+            "cert": str(tmp_path / "a-client.pem"),
+            "cert_key": str(tmp_path / "a-client.key"),
+        }
+        # The budget also covers etcd's start-up: the first call waits for it.
+        with _client([endpoint], protocol="https", ca_cert=str(tmp_path / "a-ca.pem"),
+                     retry_budget=20.0, **files) as client:  # fmt: skip
+            client.put(prefix + b"tls", b"ok")
+            kv, _ = client.get(prefix + b"tls")
+            assert kv == KeyValue(kv.key, b"ok", kv.create_revision, kv.mod_revision, 1, 0)
+        wrong_ca = _client([endpoint], protocol="https", ca_cert=str(tmp_path / "b-ca.pem"),
+                           request_timeout=1.0, retry_budget=1.0, **files)  # fmt: skip
+        with wrong_ca, pytest.raises(EtcdTLSError, match=r"no etcd member answered get within 1 s"):
+            wrong_ca.get(prefix + b"tls")
