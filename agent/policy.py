@@ -1,0 +1,111 @@
+"""The agent's restart policy: a pure function from what it observed to what it does next.
+
+The loop in :mod:`agent.agent` observes the local worker group (:class:`WorkerState`),
+counts the restarts it has left and asks the rendezvous whether the membership changed;
+:func:`next_step` turns those three facts into a :class:`Step`. Nothing here touches a
+process, a clock or the network, so every combination is tested by a table.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+__all__ = ["Step", "WorkerState", "next_step"]
+
+
+class WorkerState(str, Enum):
+    """The state of this node's worker group (all local workers change state as a unit).
+
+    Transitions::
+
+        INIT ──start──▶ HEALTHY ──a worker exits non-zero──▶ FAILED ──restart──▶ STOPPED
+                          │  ▲                                                      │
+                          │  └──────────────── rendezvous + start ◀─────────────────┘
+                          ├──every worker exits 0──▶ SUCCEEDED (terminal)
+                          └──membership change──▶ STOPPED ──rendezvous + start──▶ HEALTHY
+
+    Any action that is left half done (an exception while starting or stopping) leads
+    to UNKNOWN, from which the agent does not try to recover.
+    """
+
+    INIT = "INIT"
+    """The group exists but no worker was started yet. Nothing runs, nothing to stop.
+    Safety: not observable by the policy; the loop starts workers before it asks."""
+
+    HEALTHY = "HEALTHY"
+    """Every worker is running (or some already exited 0 while others still run).
+    Safety: the ranks the workers hold are valid for the current round only."""
+
+    UNHEALTHY = "UNHEALTHY"
+    """Workers run but a health check says they make no progress (e.g. a worker stuck
+    in the kernel). Treated like FAILED: counts against ``--max-restarts``."""
+
+    STOPPED = "STOPPED"
+    """The agent stopped the workers on purpose (a restart is under way): every process
+    of the group was terminated and reaped. Safety: nothing of the group runs; a new
+    rendezvous must complete before anything is started again."""
+
+    SUCCEEDED = "SUCCEEDED"
+    """Every worker exited with code 0. Terminal: the agent enters the exit barrier."""
+
+    FAILED = "FAILED"
+    """At least one worker exited non-zero or was killed by a signal. Other workers may
+    still be running until the agent stops the group."""
+
+    UNKNOWN = "UNKNOWN"
+    """The agent lost track of the group (an action on it failed half way). Terminal:
+    some workers may still be running with stale ranks, so the only safe move is to stop
+    everything and let the job scheduler retry the node."""
+
+
+class Step(str, Enum):
+    """What the loop does after one observation."""
+
+    CONTINUE = "CONTINUE"
+    """Keep the workers running and wait for the next event."""
+
+    RESTART_COUNTED = "RESTART_COUNTED"
+    """Stop the group, re-rendezvous, start again; uses one of ``--max-restarts``."""
+
+    RESTART_UNCOUNTED = "RESTART_UNCOUNTED"
+    """Stop the group, re-rendezvous, start again for a membership change; free."""
+
+    SUCCEED = "SUCCEED"
+    """All local workers succeeded: exit barrier, close the run, exit 0."""
+
+    FAIL = "FAIL"
+    """Give up: stop the group, close the run, report the root cause, exit non-zero."""
+
+
+def next_step(group_state: WorkerState, restarts_left: int, membership_changed: bool) -> Step:
+    """Decide the loop's next step.
+
+    Args:
+        group_state: the observed state of the local worker group.
+        restarts_left: how many counted restarts remain (``--max-restarts`` minus used).
+        membership_changed: a node is waiting to join or a participant was lost.
+
+    Returns:
+        The step to take. A finished group (SUCCEEDED) ignores membership changes: its
+        work is done and the exit barrier lets the others finish. A failed group restarts
+        whether or not the membership changed, and that restart is counted, because a
+        worker failure happened either way.
+
+    Raises:
+        ValueError: ``restarts_left`` is negative, or ``group_state`` is INIT or STOPPED
+            (states in which no workers run, so there is nothing to observe).
+    """
+    if restarts_left < 0:
+        raise ValueError(f"restarts_left must be >= 0, got {restarts_left}")
+    if group_state in (WorkerState.INIT, WorkerState.STOPPED):
+        raise ValueError(
+            f"next_step: the worker group is {group_state.value}, so no workers run; "
+            "start the workers before asking the policy"
+        )
+    if group_state is WorkerState.SUCCEEDED:
+        return Step.SUCCEED
+    if group_state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+        return Step.RESTART_COUNTED if restarts_left > 0 else Step.FAIL
+    if group_state is WorkerState.UNKNOWN:
+        return Step.FAIL
+    return Step.RESTART_UNCOUNTED if membership_changed else Step.CONTINUE
