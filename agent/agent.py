@@ -1,0 +1,403 @@
+"""The elastic agent's loop: rendezvous, assign ranks, start workers, react to events.
+
+Like torch's ``LocalElasticAgent`` without its fixed sleep: the loop blocks on one
+``threading.Event`` that is set the moment a worker exits (a waiter thread per worker),
+the rendezvous reports a change (``handler.subscribe``, when the handler has it), or a
+stop is requested; ``monitor_interval`` only bounds the wait. Each wake-up is turned into
+a step by the pure :func:`agent.policy.next_step`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from types import FrameType
+from typing import TextIO
+
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousHandler
+
+from agent.config import LaunchConfig
+from agent.errorfile import Failure, format_report, read_failure, root_cause
+from agent.logs import LogSpec, RunLogDir, console_prefix, plan_attempt
+from agent.policy import Step, WorkerState, next_step
+from agent.ranks import RoleInfo, Store, exchange_ranks, publish_master
+from agent.workers import (
+    GroupInfo,
+    WorkerGroup,
+    WorkerLaunch,
+    WorkerStartError,
+    build_argv,
+    omp_num_threads,
+    worker_env,
+)
+
+__all__ = ["Agent", "Interrupted", "signal_exit_code"]
+
+log = logging.getLogger(__name__)
+
+_EXIT_BARRIER = "etcd_elastic/exit_barrier/"
+
+
+def signal_exit_code(signum: int) -> int:
+    """The shell convention for "ended by signal N": 128 + N (143 for SIGTERM)."""
+    return 128 + signum
+
+
+class Interrupted(BaseException):
+    """Raised by :meth:`Agent.handle_signal` to abandon a blocking rendezvous or barrier.
+
+    A BaseException, like KeyboardInterrupt, so that ``except Exception`` in the handler
+    or the store does not swallow it.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by signal {signum}")
+        self.signum = signum
+
+
+class Agent:
+    """Runs one node of a job until it succeeds, fails for good, or is stopped."""
+
+    def __init__(
+        self,
+        config: LaunchConfig,
+        handler: RendezvousHandler,
+        *,
+        base_env: Mapping[str, str] | None = None,
+        console_out: TextIO | None = None,
+        console_err: TextIO | None = None,
+    ) -> None:
+        """
+        Args:
+            config: the validated launch configuration.
+            handler: the rendezvous (ours, or any torch ``RendezvousHandler``).
+            base_env: the environment workers inherit (default: this process's).
+            console_out, console_err: where tee'd worker lines and the failure report go
+                (default: sys.stdout / sys.stderr at the time of writing).
+        """
+        self._config = config
+        self._handler = handler
+        self._base_env = dict(os.environ if base_env is None else base_env)
+        self._console_out = console_out
+        self._console_err = console_err
+        self._wake = threading.Event()
+        self._stop_signal: int | None = None
+        self._blocking = False
+        self._restarts_left = config.max_restarts
+        self._attempt = -1
+        self._group_rank = -1
+        self._group_world_size = 0
+        self._store: Store | None = None
+        self._group: WorkerGroup | None = None
+        self._failures: dict[int, Failure] = {}
+        self._report: str | None = None
+        self._hostname = socket.gethostname()
+        self._logdir = RunLogDir(config.log_dir, handler.get_run_id())
+        self._logspec = LogSpec(
+            log_dir=config.log_dir,
+            redirects=config.redirects,
+            tee=config.tee,
+            local_ranks_filter=config.local_ranks_filter,
+            prefix_template=self._base_env.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+        )
+        if omp_num_threads(self._base_env, config.nproc_per_node) is not None:
+            log.warning(
+                "Setting OMP_NUM_THREADS environment variable for each process to be 1 by "
+                "default, to avoid your system being overloaded; tune it for your "
+                "application as needed."
+            )
+
+    # -- public --------------------------------------------------------------------
+
+    @property
+    def restart_count(self) -> int:
+        """Counted restarts used so far."""
+        return self._config.max_restarts - self._restarts_left
+
+    @property
+    def attempt(self) -> int:
+        """How many times this agent started its worker group, minus one."""
+        return self._attempt
+
+    @property
+    def failures(self) -> dict[int, Failure]:
+        """global rank -> failure, from the last attempt that had failures."""
+        return dict(self._failures)
+
+    @property
+    def report(self) -> str | None:
+        """The root-cause report printed when the agent gave up, else None."""
+        return self._report
+
+    @property
+    def worker_group(self) -> WorkerGroup | None:
+        """The current (or last) worker group."""
+        return self._group
+
+    @property
+    def stop_signal(self) -> int | None:
+        """The signal a stop was requested with, or None."""
+        return self._stop_signal
+
+    def request_stop(self, signum: int) -> None:
+        """Ask the loop to stop the workers and return ``128 + signum``. Thread-safe."""
+        if self._stop_signal is None:
+            self._stop_signal = signum
+        self._wake.set()
+
+    def handle_signal(self, signum: int, frame: FrameType | None) -> None:
+        """A ``signal.signal`` handler: requests a stop, and abandons a blocking
+        rendezvous or exit barrier by raising :class:`Interrupted` (main thread only)."""
+        self.request_stop(signum)
+        if self._blocking:
+            raise Interrupted(signum)
+
+    def wake(self) -> None:
+        """Wake the loop now (thread-safe); used by worker waiters and the rendezvous."""
+        self._wake.set()
+
+    def run(self) -> int:
+        """Run until done. Returns 0 (success), 1 (failed for good), or 128+signal."""
+        subscribe: Callable[[Callable[[], None]], Callable[[], None]] | None = getattr(
+            self._handler, "subscribe", None
+        )
+        unsubscribe = subscribe(self.wake) if subscribe is not None else None
+        try:
+            try:
+                code = self._loop()
+            except Interrupted:
+                code = None
+            if code is None:
+                signum = self._stop_signal or signal.SIGTERM
+                log.warning("%s: stopping workers on signal %d", self._ctx(), signum)
+                self._stop_group()
+                return signal_exit_code(signum)
+            return code
+        finally:
+            self._stop_group()
+            if unsubscribe is not None:
+                unsubscribe()
+
+    # -- the loop ------------------------------------------------------------------
+
+    def _ctx(self) -> str:
+        node = str(self._group_rank) if self._group_rank >= 0 else "?"
+        return f"run {self._handler.get_run_id()} node {node} attempt {self._attempt}"
+
+    def _loop(self) -> int | None:
+        try:
+            return self._monitor()
+        except WorkerStartError as exc:
+            return self._give_up(str(exc))
+        except RendezvousClosedError as exc:
+            return self._give_up(
+                f"run {self._handler.get_run_id()} is closed ({exc}): another node finished "
+                "or gave up; start a new run id to train again",
+                close=False,
+            )
+
+    def _monitor(self) -> int | None:
+        if not self._start_round():
+            return None
+        while True:
+            if self._stop_signal is not None:
+                return None
+            self._wake.wait(self._config.monitor_interval)
+            self._wake.clear()
+            if self._stop_signal is not None:
+                return None
+            group = self._group
+            state = group.state() if group is not None else WorkerState.UNKNOWN
+            changed = state is WorkerState.HEALTHY and self._handler.num_nodes_waiting() > 0
+            step = next_step(state, self._restarts_left, changed)
+            if step is Step.CONTINUE:
+                continue
+            if step is Step.SUCCEED:
+                log.info("%s: all workers succeeded; waiting for the other nodes", self._ctx())
+                self._exit_barrier()
+                self._handler.set_closed()  # type: ignore[no-untyped-call]
+                return 0
+            if step is Step.FAIL:
+                self._collect_failures()
+                return self._give_up(None)
+            if step is Step.RESTART_COUNTED:
+                self._collect_failures()
+                self._restarts_left -= 1
+                first = root_cause(self._failures) if self._failures else None
+                log.warning(
+                    "%s: worker group %s (root cause: rank %s: %s); restarting, %d of %d "
+                    "restarts left",
+                    self._ctx(),
+                    state.value,
+                    first and first.global_rank,
+                    first and first.message,
+                    self._restarts_left,
+                    self._config.max_restarts,
+                )
+            else:
+                log.info("%s: membership changed; restarting (not counted)", self._ctx())
+            self._stop_group()
+            if not self._start_round():
+                return None
+
+    def _give_up(self, reason: str | None, *, close: bool = True) -> int:
+        self._stop_group()
+        if close:
+            try:
+                self._handler.set_closed()  # type: ignore[no-untyped-call]
+            except Exception:
+                log.exception("%s: could not close the rendezvous", self._ctx())
+        parts = [reason] if reason else []
+        if self._failures:
+            parts.append(format_report(self._name(), self._failures, self._hostname))
+        self._report = "\n".join(parts) or f"{self._name()} FAILED: worker group state unknown"
+        log.error("%s: giving up\n%s", self._ctx(), self._report)
+        err = self._console_err or sys.stderr
+        err.write(self._report + "\n")
+        err.flush()
+        return 1
+
+    def _name(self) -> str:
+        return self._config.entrypoint
+
+    def _stop_group(self) -> None:
+        if self._group is not None:
+            self._group.stop(self._config.stop_grace_period)
+
+    def _collect_failures(self) -> None:
+        group = self._group
+        if group is None:
+            return
+        launches = {w.ranks.local_rank: w for w in group.launches}
+        failures: dict[int, Failure] = {}
+        for local_rank, exited in group.exits().items():
+            if exited.returncode == 0:
+                continue
+            launch = launches[local_rank]
+            failures[launch.ranks.global_rank] = read_failure(
+                global_rank=launch.ranks.global_rank,
+                local_rank=local_rank,
+                pid=exited.pid,
+                exitcode=exited.returncode,
+                error_file=launch.logs.error_file,
+                observed_at=exited.wall_time,
+            )
+        if failures:
+            self._failures = failures
+
+    def _start_round(self) -> bool:
+        """Rendezvous, agree on ranks and master, start the workers; False if stopped."""
+        config = self._config
+        self._blocking = True
+        try:
+            if self._stop_signal is not None:
+                return False
+            log.info("%s: joining the next rendezvous round", self._ctx())
+            info = self._handler.next_rendezvous()
+            store, group_rank, group_world_size = info.store, info.rank, info.world_size
+            self._store, self._group_rank = store, group_rank
+            self._group_world_size = group_world_size
+            assignment = exchange_ranks(
+                store, RoleInfo(config.role, group_rank, config.nproc_per_node), group_world_size
+            )
+            use_agent_store = bool(self._handler.use_agent_store)
+            bootstrap = getattr(info, "bootstrap_store_info", None)
+            if bootstrap is not None and bootstrap.master_port:
+                # The handler already agreed on rank 0's address (torch's handlers, ours);
+                # with an agent store the workers must connect exactly there.
+                master_addr = config.master_addr or bootstrap.master_addr
+                master_port = config.master_port or bootstrap.master_port
+            else:
+                master_addr, master_port = publish_master(
+                    store, group_rank, config.local_addr, config.master_addr, config.master_port
+                )
+        finally:
+            self._blocking = False
+        if self._stop_signal is not None:
+            return False
+        self._attempt += 1
+        group = GroupInfo(
+            role=config.role,
+            group_rank=group_rank,
+            group_world_size=group_world_size,
+            local_world_size=config.nproc_per_node,
+            master_addr=master_addr,
+            master_port=master_port,
+            restart_count=self.restart_count,
+            max_restarts=config.max_restarts,
+            run_id=self._handler.get_run_id(),
+            use_agent_store=use_agent_store,
+        )
+        local_ranks = range(config.nproc_per_node)
+        attempt_dir = self._logdir.attempt(self._attempt, local_ranks)
+        ranks = {lr: assignment.worker(lr) for lr in local_ranks}
+        prefix_template = self._logspec.prefix_template
+        prefixes = {
+            lr: console_prefix(prefix_template, config.role, r.global_rank, lr)
+            for lr, r in ranks.items()
+        }
+        plans = plan_attempt(self._logspec, attempt_dir, prefixes)
+        launches = [
+            WorkerLaunch(
+                ranks=ranks[lr],
+                argv=build_argv(
+                    config.entrypoint,
+                    config.args,
+                    module=config.module,
+                    no_python=config.no_python,
+                    run_path=config.run_path,
+                    local_rank=lr,
+                ),
+                env=worker_env(self._base_env, group, ranks[lr], plans[lr].error_file),
+                logs=plans[lr],
+            )
+            for lr in local_ranks
+        ]
+        log.info(
+            "%s: round complete: group %d of %d, master %s:%d, global ranks %s, "
+            "restart count %d, logs in %s",
+            self._ctx(),
+            group_rank,
+            group_world_size,
+            master_addr,
+            master_port,
+            [r.global_rank for r in ranks.values()],
+            self.restart_count,
+            attempt_dir,
+        )
+        self._wake.clear()
+        self._group = WorkerGroup(
+            launches, self.wake, console_out=self._console_out, console_err=self._console_err
+        )
+        self._group.start()
+        return True
+
+    def _exit_barrier(self) -> None:
+        """Wait (bounded) until every node of the round reached success, like torch's
+        ``store_util.barrier``: a counter, and a flag set by the last to arrive."""
+        store = self._store
+        if store is None:
+            return
+        timeout = self._config.exit_barrier_timeout
+        self._blocking = True
+        try:
+            arrived = store.add(f"{_EXIT_BARRIER}count", 1)
+            if arrived >= self._group_world_size:
+                store.set(f"{_EXIT_BARRIER}done", "1")
+            store.wait([f"{_EXIT_BARRIER}done"], timedelta(seconds=timeout))
+            log.info("%s: every node finished", self._ctx())
+        except Exception as exc:
+            log.warning(
+                "%s: exit barrier: not every node finished within %.0fs (%s); closing anyway",
+                self._ctx(),
+                timeout,
+                exc,
+            )
+        finally:
+            self._blocking = False

@@ -1,0 +1,103 @@
+"""``launch(config)``: build the etcd rendezvous handler, run the agent, clean up.
+
+Called by :func:`agent.cli.main` once the command line is valid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any
+
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+
+from agent.agent import Agent
+from agent.config import LaunchConfig
+
+__all__ = ["build_handler", "launch"]
+
+log = logging.getLogger(__name__)
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def build_handler(config: LaunchConfig) -> RendezvousHandler:
+    """Our etcd rendezvous handler for ``config``.
+
+    Raises:
+        RuntimeError: the coordinator package has no handler (a broken install).
+        coordinator.errors.ConfigError: a rendezvous setting is invalid.
+    """
+    try:
+        from coordinator.handler import create_handler
+    except ImportError as exc:
+        raise RuntimeError(
+            f"the etcd rendezvous handler (coordinator.handler) cannot be imported: {exc}; "
+            "reinstall etcd-elastic"
+        ) from exc
+    params = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.rdzv_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_conf,
+    )
+    return create_handler(params, local_world_size=config.nproc_per_node, role=config.role)
+
+
+@contextlib.contextmanager
+def _signals(handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
+    # Python allows signal handlers in the main thread only; elsewhere (tests running
+    # agents in threads) the caller stops the agent with Agent.request_stop.
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous: dict[int, Any] = {s: signal.signal(s, handler) for s in _SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+
+def launch(config: LaunchConfig) -> int:
+    """Run this node of the job; returns the process exit code.
+
+    0: every worker succeeded; 1: workers failed with no restarts left (the root-cause
+    report is printed) or the run was closed; 128+N: stopped by signal N.
+
+    With ``config.standalone`` and no endpoint yet, an embedded etcd is started for the
+    run (``agent.cli`` normally does this itself and passes its endpoint).
+    """
+    if config.standalone and not config.rdzv_endpoint:
+        from agent.standalone import embedded_etcd
+
+        with embedded_etcd() as endpoint:
+            return launch(dataclasses.replace(config, rdzv_endpoint=endpoint))
+    handler = build_handler(config)
+    agent = Agent(config, handler)
+    try:
+        with _signals(agent.handle_signal):
+            return agent.run()
+    finally:
+        _release(handler, stopped_by_signal=agent.stop_signal is not None)
+
+
+def _release(handler: RendezvousHandler, *, stopped_by_signal: bool) -> None:
+    # A node stopped by a signal only leaves: closing the run would end it for every
+    # other node too (torch skips shutdown() then, for the same reason).
+    leave: Callable[[], None] | None = getattr(handler, "leave", None)
+    try:
+        if not stopped_by_signal:
+            handler.shutdown()
+        elif leave is not None:
+            leave()
+    except Exception:
+        log.exception("run %s: could not release the rendezvous", handler.get_run_id())
