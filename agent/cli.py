@@ -1,0 +1,424 @@
+"""``etcdrun``: torchrun's command line, validated into a :class:`~agent.config.LaunchConfig`.
+
+Every ``torchrun`` flag is accepted in both spellings (``--nproc-per-node`` and
+``--nproc_per_node``) with the same meaning, and, as in torchrun, a ``PET_<FLAG>``
+environment variable supplies a flag's default (``PET_NPROC_PER_NODE=2``). Flags that
+have no meaning here are accepted and ignored with a warning, so a torchrun command line
+works unchanged.
+
+Every value is checked before anything starts (no etcd, no worker): a bad one ends the
+program with exit code 2 and one line, ``etcdrun: error: <flag>: <what is wrong and what
+to do>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import re
+import signal
+import sys
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from agent import devices
+from agent.cli_parser import IGNORED_FLAGS, build_parser
+from agent.config import LaunchConfig, Std
+from coordinator.errors import ConfigError
+from coordinator.etcd_server import EtcdBinaryNotFoundError, EtcdStartError
+from coordinator.keys import validate_run_id
+from coordinator.settings import RendezvousSettings, parse_endpoints
+
+__all__ = ["BACKENDS", "UsageError", "build_parser", "main", "parse_args"]
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("etcd-v2", "etcd-v3")
+"""Accepted ``--rdzv-backend`` names; both mean this project's etcd v3 rendezvous."""
+
+_STD_VALUE = re.compile(r"[0-3]")
+_STD_MAPPING = re.compile(r"\d+:[0-3](,\d+:[0-3])*")
+# Stands in for the embedded etcd's endpoint, which exists only once it has started,
+# when --standalone settings are validated.
+_STANDALONE_PLACEHOLDER = "127.0.0.1:2379"
+
+
+class UsageError(ValueError):
+    """A command-line value is invalid: ``flag`` names the option, ``reason`` the fix."""
+
+    def __init__(self, flag: str, reason: str) -> None:
+        super().__init__(f"{flag}: {reason}")
+        self.flag = flag
+        self.reason = reason
+
+
+# -- values --------------------------------------------------------------------------------
+
+
+def _nnodes(text: str) -> tuple[int, int]:
+    parts = text.split(":")
+    if len(parts) > 2:
+        raise UsageError("--nnodes", f"{text!r} is not N or MIN:MAX; give e.g. 2 or 1:4")
+    numbers: list[int] = []
+    for part in parts:
+        try:
+            numbers.append(int(part))
+        except ValueError:
+            raise UsageError(
+                "--nnodes", f"{text!r} is not a number of nodes; give N or MIN:MAX, e.g. 2 or 1:4"
+            ) from None
+    low, high = numbers[0], numbers[-1]
+    if low < 1:
+        raise UsageError(
+            "--nnodes", f"{text!r} allows {low} nodes; a job needs at least 1, e.g. 2 or 1:4"
+        )
+    if low > high:
+        raise UsageError(
+            "--nnodes",
+            f"minimum {low} is greater than maximum {high}; give MIN:MAX with MIN <= MAX",
+        )
+    return low, high
+
+
+def _whole(flag: str, text: str, *, low: int, high: int | None = None, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise UsageError(flag, f"{text!r} is not a whole number; give {what}") from None
+    if value < low or (high is not None and value > high):
+        raise UsageError(flag, f"{value} is out of range; give {what}")
+    return value
+
+
+def _seconds(flag: str, text: str, *, zero_ok: bool) -> float:
+    what = "0 or more seconds" if zero_ok else "a number of seconds above 0"
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(flag, f"{text!r} is not a number; give {what}") from None
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        raise UsageError(flag, f"{text!r} is out of range; give {what}")
+    return value
+
+
+def _rdzv_conf(text: str) -> dict[str, str]:
+    conf: dict[str, str] = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        key, sep, value = (s.strip() for s in item.partition("="))
+        if not sep or not key:
+            raise UsageError(
+                "--rdzv-conf",
+                f"{item!r} is not key=value; give pairs separated by commas, "
+                "e.g. join_timeout=600,lease_ttl=5",
+            )
+        if not value:
+            raise UsageError("--rdzv-conf", f"{key!r} has no value; give {key}=<value>")
+        conf[key] = value
+    return conf
+
+
+def _std_map(flag: str, text: str, nproc: int) -> dict[int, Std]:
+    """torch's ``Std.from_str`` then ``to_map``: every local rank gets a value."""
+    text = text.strip()
+    if _STD_VALUE.fullmatch(text):
+        return dict.fromkeys(range(nproc), int(text))
+    if _STD_MAPPING.fullmatch(text):
+        given = {int(r): int(v) for r, v in (pair.split(":") for pair in text.split(","))}
+        # As in torch: ranks not named get 0 (nothing redirected); ranks beyond this
+        # node's worker count are ignored, so one command line fits nodes of any size.
+        return {rank: given.get(rank, 0) for rank in range(nproc)}
+    raise UsageError(
+        flag,
+        f"{text!r} is neither 0-3 nor LOCAL_RANK:0-3 pairs; give e.g. 3 (stdout and stderr "
+        "of every worker) or 0:1,1:2 (stdout of rank 0, stderr of rank 1)",
+    )
+
+
+def _ranks_filter(text: str) -> frozenset[int] | None:
+    if not text.strip():
+        return None
+    try:
+        ranks = frozenset(int(part) for part in text.split(","))
+    except ValueError:
+        ranks = frozenset({-1})
+    if min(ranks) < 0:
+        raise UsageError(
+            "--local-ranks-filter",
+            f"{text!r} is not a list of local ranks; give comma-separated numbers, e.g. 0,1",
+        )
+    return ranks
+
+
+def _settings_error(exc: ConfigError) -> UsageError:
+    """Name the flag behind a coordinator settings error."""
+    text = str(exc)
+    for prefix, flag in (
+        ("rdzv_endpoint ", "--rdzv-endpoint"),
+        ("rdzv_id ", "--rdzv-id"),
+        ("rdzv_conf has ", "--rdzv-conf"),
+        ("rdzv_conf ", "--rdzv-conf"),
+    ):
+        if text.startswith(prefix):
+            reason = text[len(prefix) :]
+            if flag == "--rdzv-endpoint" and "give" not in reason:
+                reason += "; give the etcd members as host:port[,host:port...]"
+            return UsageError(flag, reason)
+    flag, sep, rest = text.partition(": ")
+    if sep and flag.startswith("--"):
+        return UsageError(flag, rest)
+    return UsageError("--rdzv-conf", text)
+
+
+def _check_rendezvous(config: LaunchConfig) -> None:
+    """Validate endpoint, run id and rdzv_conf exactly as the coordinator will."""
+    endpoint = _STANDALONE_PLACEHOLDER if config.standalone else config.rdzv_endpoint
+    try:
+        parse_endpoints(endpoint)
+        validate_run_id(config.rdzv_id)
+        RendezvousSettings.from_parameters(
+            RendezvousParameters(
+                backend=config.rdzv_backend,
+                endpoint=endpoint,
+                run_id=config.rdzv_id,
+                min_nodes=config.min_nodes,
+                max_nodes=config.max_nodes,
+                local_addr=config.local_addr,
+                **config.rdzv_conf,
+            )
+        )
+    except ConfigError as exc:
+        raise _settings_error(exc) from None
+
+
+def _check_script(ns: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
+    script: str | None = ns.training_script
+    if not script:
+        raise UsageError(
+            "script",
+            "missing; give the training script and its arguments after the options, "
+            "e.g. etcdrun --nproc-per-node=2 train.py --epochs 3",
+        )
+    if ns.module and ns.no_python:
+        raise UsageError("--no-python", "cannot be combined with -m/--module; drop one of them")
+    if (ns.run_path or not (ns.module or ns.no_python)) and not os.path.isfile(script):
+        raise UsageError(
+            "script",
+            f"{script!r} does not exist (relative to {os.getcwd()}); give the path of the "
+            "training script, or -m for a module, or --no-python for a program",
+        )
+    return script, tuple(ns.training_script_args)
+
+
+def _warn_ignored(ns: argparse.Namespace) -> None:
+    for dest, (flag, default, why) in IGNORED_FLAGS.items():
+        value = getattr(ns, dest)
+        if value not in (default, None, [], ""):
+            log.warning("%s=%r is accepted for torchrun compatibility and ignored: %s",
+                        flag, value, why)  # fmt: skip
+    if ns.node_rank not in ("0", 0):
+        log.warning("--node-rank is only used by torch's static rendezvous; ignored here")
+
+
+# -- parse ---------------------------------------------------------------------------------
+
+
+def _config(
+    ns: argparse.Namespace,
+    cuda_device_count: Callable[[], int],
+    cpu_count: Callable[[], int],
+) -> LaunchConfig:
+    min_nodes, max_nodes = _nnodes(ns.nnodes)
+    try:
+        nproc = devices.resolve_nproc(
+            ns.nproc_per_node, cuda_device_count=cuda_device_count, cpu_count=cpu_count
+        )
+    except ValueError as exc:
+        raise UsageError("--nproc-per-node", str(exc)) from None
+    backend = ns.rdzv_backend.strip().lower()
+    if backend not in BACKENDS:
+        raise UsageError(
+            "--rdzv-backend",
+            f"{ns.rdzv_backend!r} is not supported; use etcd-v2 or etcd-v3 "
+            "(both are this project's etcd v3 rendezvous)",
+        )
+    endpoint = ns.rdzv_endpoint.strip()
+    standalone = bool(ns.standalone)
+    if standalone and endpoint:
+        raise UsageError(
+            "--standalone",
+            f"starts its own etcd, so --rdzv-endpoint={endpoint} makes no sense with it; "
+            "drop one of the two",
+        )
+    if not standalone and not endpoint:
+        if max_nodes > 1:
+            raise UsageError(
+                "--rdzv-endpoint",
+                f"missing; a job of up to {max_nodes} nodes needs a shared etcd: give "
+                "--rdzv-endpoint=host:port[,host:port...], or --standalone for one node",
+            )
+        # torchrun runs a one-node job without any rendezvous flag; so do we, on an
+        # embedded etcd.
+        log.info("no --rdzv-endpoint for a one-node job: running as --standalone")
+        standalone = True
+    if standalone and max_nodes > 1:
+        raise UsageError(
+            "--nnodes",
+            f"--standalone runs one node but --nnodes={ns.nnodes} allows {max_nodes}; "
+            "drop --standalone and give --rdzv-endpoint of an etcd all nodes can reach",
+        )
+    rdzv_id = ns.rdzv_id.strip()
+    if standalone and rdzv_id == "none":
+        rdzv_id = str(uuid.uuid4())
+    master_port = ns.master_port
+    master_addr = ns.master_addr
+    local_addr = ns.local_addr
+    for flag, value in (("--master-addr", master_addr), ("--local-addr", local_addr)):
+        if value is not None and not value.strip():
+            raise UsageError(flag, "is empty; give a host name or IP address")
+    if not ns.role.strip():
+        raise UsageError("--role", "the role name is empty; give one, e.g. trainer")
+    config = LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=nproc,
+        entrypoint="",
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint,
+        rdzv_id=rdzv_id,
+        rdzv_conf=_rdzv_conf(ns.rdzv_conf),
+        standalone=standalone,
+        local_addr=local_addr,
+    )
+    _check_rendezvous(config)
+    shutdown = ns.shutdown_timeout
+    config = dataclasses.replace(
+        config,
+        max_restarts=_whole("--max-restarts", ns.max_restarts, low=0, what="0 or more restarts"),
+        monitor_interval=_seconds("--monitor-interval", ns.monitor_interval, zero_ok=False),
+        exit_barrier_timeout=_seconds(
+            "--exit-barrier-timeout", ns.exit_barrier_timeout, zero_ok=True
+        ),
+        stop_grace_period=(
+            config.stop_grace_period
+            if shutdown is None
+            else _seconds("--shutdown-timeout", shutdown, zero_ok=True)
+        ),
+        role=ns.role.strip(),
+        log_dir=ns.log_dir or None,
+        redirects=_std_map("--redirects", ns.redirects, nproc),
+        tee=_std_map("--tee", ns.tee, nproc),
+        local_ranks_filter=_ranks_filter(ns.local_ranks_filter),
+        node_rank=_whole("--node-rank", ns.node_rank, low=0, what="0 or more"),
+        master_addr=master_addr.strip() if master_addr else None,
+        master_port=(
+            None
+            if master_port is None
+            else _whole("--master-port", master_port, low=1, high=65535, what="a port 1-65535")
+        ),
+    )
+    if ns.start_method not in ("spawn", "fork", "forkserver"):
+        raise UsageError("--start-method", f"{ns.start_method!r} is not spawn, fork or forkserver")
+    entrypoint, args = _check_script(ns)
+    return dataclasses.replace(
+        config,
+        start_method=ns.start_method,
+        module=bool(ns.module),
+        no_python=bool(ns.no_python),
+        run_path=bool(ns.run_path),
+        entrypoint=entrypoint,
+        args=args,
+    )
+
+
+def parse_args(
+    argv: Sequence[str],
+    *,
+    device_count: Callable[[], int] | None = None,
+    cpu_count: Callable[[], int] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> LaunchConfig:
+    """Parse and validate an ``etcdrun`` command line (without the program name).
+
+    Args:
+        argv: the arguments, e.g. ``["--nproc-per-node=2", "train.py", "--lr", "0.1"]``.
+        device_count: returns the number of CUDA devices (for ``gpu``/``auto``); default
+            asks torch.
+        cpu_count: returns the number of usable CPUs (for ``cpu``/``auto``).
+        environ: where ``PET_*`` defaults are read from; default ``os.environ``.
+
+    Returns:
+        The validated configuration. ``--nproc-per-node`` is resolved to a number,
+        ``--redirects``/``--tee`` to a value per local rank; a one-node job without
+        ``--rdzv-endpoint`` becomes ``standalone`` (as torchrun does), and a standalone
+        run without ``--rdzv-id`` gets a random one.
+
+    Raises:
+        SystemExit: code 2 after printing ``etcdrun: error: <flag>: <reason>`` for any
+            bad value (argparse's convention); code 0 after ``--help``.
+    """
+    parser = build_parser(environ=environ)
+    ns = parser.parse_args(list(argv))
+    try:
+        config = _config(
+            ns,
+            device_count or devices.cuda_device_count,
+            cpu_count or devices.cpu_count,
+        )
+    except UsageError as exc:
+        parser.error(str(exc))
+    _warn_ignored(ns)
+    return config
+
+
+# -- run -----------------------------------------------------------------------------------
+
+
+def _launch(config: LaunchConfig) -> int:
+    # Imported only once the command line is valid: bad input never loads the agent.
+    from agent.launcher import launch
+
+    return launch(config)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``etcdrun`` program: parse, start the embedded etcd if asked, run the agent.
+
+    Returns:
+        The exit code: the agent's (0 when every worker succeeded), 1 when the embedded
+        etcd could not start, 130 after Ctrl-C. Bad command lines exit with code 2 via
+        ``SystemExit`` before anything starts.
+    """
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=os.environ.get("LOGLEVEL", "INFO").upper(),
+            format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
+        )
+    config = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if not config.standalone:
+            return _launch(config)
+        with contextlib.ExitStack() as stack:
+            try:
+                endpoint = stack.enter_context(_embedded())
+            except (EtcdBinaryNotFoundError, EtcdStartError) as exc:
+                log.debug("embedded etcd failed", exc_info=True)
+                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                print(f"etcdrun: error: --standalone: {first}", file=sys.stderr)
+                return 1
+            return _launch(dataclasses.replace(config, rdzv_endpoint=endpoint))
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+
+
+def _embedded() -> contextlib.AbstractContextManager[str]:
+    from agent.standalone import embedded_etcd
+
+    return embedded_etcd()
