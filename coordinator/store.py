@@ -18,7 +18,8 @@ Semantics, case by case (as ``TCPStore`` behaves in torch 2.13):
 * ``wait(keys[, timeout])`` / ``multi_get(keys)`` block like ``get`` with one deadline for
   all keys; a zero timeout checks once.
 * ``check``, ``delete_key``, ``num_keys`` (keys of this round only), ``multi_set`` (one
-  transaction), ``append`` (atomic; creates), ``list_keys``.
+  transaction), ``append`` (atomic; creates), ``list_keys``, ``clone``.
+* Not provided: the ``queue_*`` operations (nothing in torch's Python layer uses them).
 
 Blocking reads never poll: read, and if the key is absent watch exactly that key from the
 read revision + 1, so a put between the read and the watch is still seen.
@@ -237,6 +238,14 @@ class EtcdStore(Store):
                 continue
             keys.append(raw.decode("utf-8", "backslashreplace"))
         return keys
+
+    def clone(self) -> EtcdStore:
+        """A new handle on the same store (same client, prefix, timeout and clock).
+
+        torch clones stores to give each thread its own; ours are thread-safe already.
+        """
+        timeout: timedelta = self.timeout  # type: ignore[attr-defined]
+        return EtcdStore(self._client, self._prefix, timeout, clock=self._clock)
 
     def has_extended_api(self) -> bool:
         """``True``: ``append``, ``multi_get`` and ``multi_set`` are supported."""

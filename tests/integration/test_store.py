@@ -9,11 +9,14 @@ inside the round's folder, cleanup of old rounds) run on etcd only.
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import etcd3
@@ -305,6 +308,15 @@ def test_multi_get_blocks_and_times_out(backend: Backend) -> None:
         short.multi_get(["g1", "never"])
 
 
+def test_clone_shares_the_store(store: Store) -> None:
+    twin = store.clone()
+    twin.set("from-twin", "1")
+    assert store.get("from-twin") == b"1"
+    store.set("from-original", "2")
+    assert twin.get("from-original") == b"2"
+    assert twin.timeout == store.timeout
+
+
 def test_append(store: Store) -> None:
     store.append("log", "a")
     store.append("log", b"b")
@@ -484,3 +496,78 @@ def test_get_survives_a_compacted_watch_start(etcd1: EtcdCluster, run_id: str) -
     finally:
         client.delete_prefix(keys.run_prefix)
         client.close()
+
+
+_PG_WORKER = """
+import datetime, sys
+import torch
+import torch.distributed as dist
+from coordinator.etcd_client import EtcdClient, EtcdConfig
+from coordinator.store import EtcdStore
+
+endpoint, prefix, rank = sys.argv[1], sys.argv[2].encode(), int(sys.argv[3])
+client = EtcdClient(EtcdConfig(endpoints=(endpoint,)))
+store = EtcdStore(client, prefix, datetime.timedelta(seconds=60))
+dist.init_process_group(
+    "gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+)
+value = torch.tensor([rank + 1.0])
+dist.all_reduce(value)
+dist.barrier()
+dist.destroy_process_group()
+client.close()
+print(f"sum={value.item():g}")
+"""
+
+
+@pytest.mark.slow
+def test_gloo_process_group_forms_over_the_store(
+    etcd1: EtcdCluster, run_id: str, tmp_path: Path
+) -> None:
+    # torch's C++ side (ProcessGroupGloo) drives our Python methods through the trampoline.
+    script = tmp_path / "worker.py"
+    script.write_text(_PG_WORKER)
+    prefix = RunKeys("/etcd-elastic-test", run_id).store_prefix(0).decode()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), etcd1.endpoints[0], prefix, str(rank)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        outputs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    for p, (out, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, err[-2000:]
+        assert out.strip().endswith("sum=3"), out
+
+
+def _watchers(cluster: EtcdCluster) -> int:
+    for line in cluster.members[0].metrics().splitlines():
+        if line.startswith("etcd_debugging_mvcc_watcher_total "):
+            return int(float(line.split()[1]))
+    raise AssertionError("etcd exposes no etcd_debugging_mvcc_watcher_total metric")
+
+
+def test_blocking_reads_cancel_their_watches(etcd1: EtcdCluster, etcd: Backend) -> None:
+    baseline = _watchers(etcd1)
+    reader, writer = etcd.open(0, LONG), etcd.open(0, LONG)
+    for i in range(10):
+        with Later(0.05, lambda i=i: writer.set(f"w{i}", "v")):
+            reader.wait([f"w{i}"])
+    short = etcd.open(0, timedelta(seconds=0.2))
+    for _ in range(3):
+        with pytest.raises(DistStoreError):
+            short.get("never")
+    # Cancelling is one message on the shared stream; etcd counts it shortly after.
+    deadline = time.monotonic() + 10
+    while _watchers(etcd1) > baseline and time.monotonic() < deadline:
+        threading.Event().wait(0.05)
+    assert _watchers(etcd1) == baseline
