@@ -176,7 +176,8 @@ class Agent:
             if code is None:
                 signum = self._stop_signal or signal.SIGTERM
                 log.warning("%s: stopping workers on signal %d", self._ctx(), signum)
-                self._stop_group()
+                # Pass the signal on, as torch does: a script may treat SIGINT apart.
+                self._stop_group(signal.Signals(signum))
                 return signal_exit_code(signum)
             return code
         finally:
@@ -266,9 +267,9 @@ class Agent:
     def _name(self) -> str:
         return self._config.entrypoint
 
-    def _stop_group(self) -> None:
+    def _stop_group(self, sig: signal.Signals = signal.SIGTERM) -> None:
         if self._group is not None:
-            self._group.stop(self._config.stop_grace_period)
+            self._group.stop(self._config.stop_grace_period, sig)
 
     def _collect_failures(self) -> None:
         group = self._group

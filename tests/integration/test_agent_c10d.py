@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import textwrap
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +32,7 @@ from agent.config import LaunchConfig
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 WORKER = """
-    import json, os, sys
+    import json, os, sys, time
     from datetime import timedelta
 
     import torch
@@ -41,6 +46,10 @@ WORKER = """
     def main() -> None:
         out, mode = sys.argv[1], sys.argv[2]
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if mode == "hang":
+            with open(os.path.join(out, f"pid_{os.getpid()}"), "w"):
+                pass
+            time.sleep(600)
         if mode == "always":
             raise RuntimeError(f"always failing on rank {rank}")
         if mode == "once" and rank == world - 1:
@@ -97,6 +106,10 @@ class Job:
         return handler
 
     def run(self, mode: str, nprocs: tuple[int, ...], max_restarts: int) -> None:
+        self.start(mode, nprocs, max_restarts)
+        self.wait()
+
+    def start(self, mode: str, nprocs: tuple[int, ...], max_restarts: int) -> None:
         script = self.tmp_path / "worker.py"
         script.write_text(textwrap.dedent(WORKER))
         for i, nproc in enumerate(nprocs):
@@ -115,6 +128,8 @@ class Job:
             thread = threading.Thread(target=self._run_one, args=(i, agent), name=f"agent{i}")
             self.threads.append(thread)
             thread.start()
+
+    def wait(self) -> None:
         for thread in self.threads:
             thread.join(timeout=240)
         assert not any(t.is_alive() for t in self.threads), "agents did not finish in 240 s"
@@ -139,8 +154,6 @@ class Job:
 
 
 def _base_env() -> dict[str, str]:
-    import os
-
     return {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
 
 
@@ -198,3 +211,93 @@ def test_always_failing_exits_1_with_root_cause(job: Job) -> None:
         (failure,) = agent.failures.values()
         assert failure.exitcode == 1
         assert 'raise RuntimeError(f"always failing on rank {rank}")' in failure.traceback
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def _wait_for(predicate: object, timeout: float, what: str) -> None:
+    # Tests may poll for outside effects (files written by workers); product code may not.
+    deadline = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        threading.Event().wait(0.05)
+
+
+def _worker_pids(tmp_path: Path) -> list[int]:
+    return [int(p.name.split("_")[1]) for p in tmp_path.glob("pid_*")]
+
+
+def test_stop_request_returns_143_and_reaps_workers(job: Job) -> None:
+    job.start("hang", (2, 1), max_restarts=0)
+    _wait_for(lambda: len(_worker_pids(job.tmp_path)) == 3, 120, "3 running workers")
+    pids = _worker_pids(job.tmp_path)
+    for agent in job.agents:
+        agent.request_stop(signal.SIGTERM)
+    job.wait()
+    assert job.codes == {0: 143, 1: 143}
+    assert not [pid for pid in pids if _alive(pid)]
+
+
+SIGNALLED_AGENT = """
+    import signal, sys
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+    from agent.agent import Agent
+    from agent.config import LaunchConfig
+
+    port, run_id, nodes, script, out = sys.argv[1:]
+    handler = get_rendezvous_handler(RendezvousParameters(
+        backend="c10d", endpoint=f"127.0.0.1:{port}", run_id=run_id, min_nodes=int(nodes),
+        max_nodes=int(nodes), local_addr="127.0.0.1", is_host=True, join_timeout="120"))
+    config = LaunchConfig(min_nodes=int(nodes), max_nodes=int(nodes), nproc_per_node=2,
+                          entrypoint=script, args=(out, "hang"), stop_grace_period=2.0,
+                          local_addr="127.0.0.1")
+    agent = Agent(config, handler)
+    signal.signal(signal.SIGTERM, agent.handle_signal)
+    signal.signal(signal.SIGINT, agent.handle_signal)
+    print("ready", flush=True)
+    sys.exit(agent.run())
+"""
+
+
+@pytest.mark.parametrize(
+    ("phase", "signum"),
+    [("rendezvous", signal.SIGTERM), ("running", signal.SIGTERM), ("running", signal.SIGINT)],
+)
+def test_signal_stops_agent_with_128_plus_signum(
+    tmp_path: Path, run_id: str, phase: str, signum: signal.Signals
+) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(WORKER))
+    driver = tmp_path / "driver.py"
+    driver.write_text(textwrap.dedent(SIGNALLED_AGENT))
+    # "rendezvous": the agent waits for a second node that never comes.
+    nodes = "2" if phase == "rendezvous" else "1"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    argv = [sys.executable, str(driver), str(_free_port()), run_id, nodes, str(script)]
+    proc = subprocess.Popen([*argv, str(tmp_path)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "ready\n"
+        if phase == "running":
+            _wait_for(lambda: len(_worker_pids(tmp_path)) == 2, 120, "2 running workers")
+        else:
+            threading.Event().wait(2.0)  # let it enter next_rendezvous()
+        pids = _worker_pids(tmp_path)
+        start = time.monotonic()
+        proc.send_signal(signum)
+        code = proc.wait(timeout=60)
+        took = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    print(f"{phase} {signum.name}: agent exited {code} in {took:.2f} s")
+    assert code == 128 + signum
+    assert not [pid for pid in pids if _alive(pid)]
