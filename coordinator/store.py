@@ -103,6 +103,10 @@ class EtcdStore(Store):
     def add(self, key: str | bytes, amount: int) -> int:
         """Add ``amount`` to the decimal counter at ``key`` (absent: 0) and return the sum.
 
+        Safety: if etcd commits the increment but the reply is lost (a member dies
+        mid-call) the client's retry cannot tell our write from another's, so the
+        increment may be applied twice. Counters are exact whenever etcd stays reachable.
+
         Raises:
             DistStoreError: the key holds something that is not a decimal integer.
         """
@@ -120,7 +124,10 @@ class EtcdStore(Store):
             current = result.current
 
     def append(self, key: str | bytes, value: str | bytes) -> None:
-        """Append ``value`` to the bytes at ``key``, creating it when absent (atomic)."""
+        """Append ``value`` to the bytes at ``key``, creating it when absent (atomic).
+
+        Like :meth:`add`, a reply lost after the commit may make a retry append twice.
+        """
         etcd_key = self._key(key)
         tail = _to_bytes("value", value)
         current, _ = self._client.get(etcd_key)
