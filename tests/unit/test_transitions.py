@@ -1,0 +1,373 @@
+"""The pure rendezvous decisions, case by case: decide_node, decide_coordinator, apply, close.
+
+Time is a plain float; node keys are a dict of NodeInfo (a key present = a live lease).
+Each coordinator case states the whole expected decision (actions, running last-call
+deadline, wake-up time), so a change in any part of it shows up here.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+
+from coordinator.state import NodeInfo, RdzvState
+from coordinator.transitions import (
+    Action,
+    ActionKind,
+    CoordinatorDecision,
+    Limits,
+    NodeAction,
+    apply,
+    close,
+    decide_coordinator,
+    decide_node,
+)
+
+K = ActionKind
+INF = math.inf
+LIM = Limits(min_nodes=2, max_nodes=4, last_call_timeout=10.0)
+
+# Arrival order (create revision) differs from name order on purpose: ranks follow arrival.
+_REVISION = {"a": 11, "b": 12, "c": 13, "d": 14, "e": 15, "f": 16, "g": 17, "x": 9, "y": 10}
+
+
+def _node(name: str, wanted: int) -> NodeInfo:
+    return NodeInfo(
+        node_id=name,
+        wanted_round=wanted,
+        addr=f"host-{name}",
+        free_port=29500 + _REVISION[name],
+        create_revision=_REVISION[name],
+    )
+
+
+def _nodes(wanted: int, names: str, **others: int) -> dict[str, NodeInfo]:
+    """Live node keys: every name in ``names`` asks for ``wanted``; ``others`` name=round."""
+    out = {n: _node(n, wanted) for n in names}
+    out.update({n: _node(n, w) for n, w in others.items()})
+    return out
+
+
+def _complete(ids: str, redundant: str = "") -> Action:
+    return Action(
+        K.MARK_RENDEZVOUS_COMPLETE,
+        node_ids=tuple(ids),
+        redundant=tuple(redundant),
+        master_addr=f"host-{ids[0]}",
+        master_port=29500 + _REVISION[ids[0]],
+    )
+
+
+def _act(kind: ActionKind, names: str) -> Action:
+    return Action(kind, tuple(names))
+
+
+def _done(*actions: Action) -> CoordinatorDecision:
+    return CoordinatorDecision(actions, None, INF)
+
+
+def _wait(deadline: float | None, *actions: Action) -> CoordinatorDecision:
+    return CoordinatorDecision(actions, deadline, INF if deadline is None else deadline)
+
+
+def _round1(
+    participants: str = "abc",
+    *,
+    wait_list: tuple[str, ...] = (),
+    redundancy_list: tuple[str, ...] = (),
+    lost: tuple[str, ...] = (),
+    closed: bool = False,
+) -> RdzvState:
+    """A completed round 1 (single-letter node ids, in rank order)."""
+    return RdzvState(
+        round=1,
+        participants=tuple(participants),
+        wait_list=wait_list,
+        redundancy_list=redundancy_list,
+        lost=lost,
+        closed=closed,
+    )
+
+
+# --- decide_node ---------------------------------------------------------------------
+
+_R2 = RdzvState(round=2, participants=("a", "b"))
+
+NODE_CASES: list[tuple[str, RdzvState, str, int, float, NodeAction]] = [
+    # (id, state, node, wanted_round, now, expected); the join deadline is 100.
+    ("closed", RdzvState(closed=True), "a", 1, 0.0, NodeAction.ERROR_CLOSED),
+    ("closed beats finish", RdzvState(round=2, participants=("a",), closed=True), "a", 2, 0.0,
+     NodeAction.ERROR_CLOSED),
+    ("closed beats timeout", RdzvState(closed=True), "a", 1, 500.0, NodeAction.ERROR_CLOSED),
+    ("finish: the round it asked for completed with it", _R2, "b", 2, 0.0, NodeAction.FINISH),
+    ("finish even past the join deadline", _R2, "a", 2, 100.0, NodeAction.FINISH),
+    ("timeout at the deadline", _R2, "c", 3, 100.0, NodeAction.ERROR_TIMEOUT),
+    ("timeout past the deadline", _R2, "c", 3, 250.0, NodeAction.ERROR_TIMEOUT),
+    ("timeout before ever asking", _R2, "c", 0, 100.0, NodeAction.ERROR_TIMEOUT),
+    ("join: never asked, nothing formed", RdzvState(), "a", 0, 0.0, NodeAction.JOIN),
+    ("join: never asked, a participant calls again", _R2, "a", 0, 0.0, NodeAction.JOIN),
+    ("join: the wanted round completed without it", _R2, "c", 2, 0.0, NodeAction.JOIN),
+    ("join: it missed a round entirely", _R2, "c", 1, 0.0, NodeAction.JOIN),
+    ("sync: waiting for the first round", RdzvState(), "a", 1, 0.0, NodeAction.SYNC),
+    ("sync: waiting for the next round", _R2, "a", 3, 99.9, NodeAction.SYNC),
+    ("sync: a newcomer waits", _R2, "c", 3, 0.0, NodeAction.SYNC),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("state", "node_id", "wanted", "now", "expected"),
+    [c[1:] for c in NODE_CASES],
+    ids=[c[0] for c in NODE_CASES],
+)
+def test_decide_node(
+    state: RdzvState, node_id: str, wanted: int, now: float, expected: NodeAction
+) -> None:
+    assert decide_node(state, node_id, wanted, now, join_deadline=100.0) is expected
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="decide_node applies join_timeout to a node in the redundancy list of a full "
+    "round (ERROR_TIMEOUT after join_timeout), so hot spares leave the run; torch's "
+    "_RendezvousJoinOp keeps such a node (SYNC/KEEP_ALIVE) without a timeout",
+)
+def test_spare_in_redundancy_list_of_full_round_does_not_time_out() -> None:
+    full = RdzvState(round=1, participants=("a", "b", "c", "d"), redundancy_list=("e",))
+    assert decide_node(full, "e", 2, now=1000.0, join_deadline=600.0) is NodeAction.SYNC
+
+
+# --- decide_coordinator ----------------------------------------------------------------
+
+_R0 = RdzvState()
+
+COORD_CASES: list[
+    tuple[str, RdzvState, dict[str, NodeInfo], float, float | None, CoordinatorDecision]
+] = [
+    # (id, state, live node keys, now, last_call_deadline in, expected decision)
+    # First formation.
+    ("first: nobody", _R0, {}, 0.0, None, _wait(None)),
+    ("first: below min waits without a timer", _R0, _nodes(1, "a"), 5.0, None, _wait(None)),
+    ("first: min reached starts last call", _R0, _nodes(1, "ab"), 5.0, None, _wait(15.0)),
+    ("first: below max keeps the running last call", _R0, _nodes(1, "abc"), 12.0, 15.0,
+     _wait(15.0)),
+    ("first: completes at max at once", _R0, _nodes(1, "dcba"), 5.0, None,
+     _done(_complete("abcd"))),
+    ("first: completes at the last-call deadline", _R0, _nodes(1, "ab"), 15.0, 15.0,
+     _done(_complete("ab"))),
+    ("first: completes past the last-call deadline", _R0, _nodes(1, "abc"), 40.0, 15.0,
+     _done(_complete("abc"))),
+    ("first: deadline resets when joiners fall below min", _R0, _nodes(1, "a"), 12.0, 15.0,
+     _wait(None)),
+    ("first: over-max joiners become the redundancy list", _R0, _nodes(1, "gfedcba"), 0.0, None,
+     _done(_complete("abcd", redundant="efg"))),
+    ("first: ranks follow arrival, not names", _R0, _nodes(1, "abxy"), 20.0, 15.0,
+     _done(_complete("xyab"))),
+    ("first: keys asking for another round are not joiners", _R0, _nodes(1, "a", b=2, c=3), 5.0,
+     None, _wait(None)),
+    # A re-opened round: a live participant of round 1 asked for round 2.
+    ("reopen: all live participants back completes at once", _round1(), _nodes(2, "abc"), 5.0,
+     None, _done(_complete("abc"))),
+    ("reopen: all live participants back, one lost", _round1(), _nodes(2, "ab"), 5.0, None,
+     _done(_complete("ab"))),
+    ("reopen: all back with waiting newcomers", _round1(), _nodes(2, "abcd"), 5.0, None,
+     _done(_complete("abcd"))),
+    ("reopen: some back starts last call", _round1(), _nodes(2, "ab", c=1), 5.0, None,
+     _wait(15.0, _act(K.ADD_TO_WAIT_LIST, "ab"))),
+    ("reopen: some back completes at the deadline", _round1(wait_list=("a", "b")),
+     _nodes(2, "ab", c=1), 15.0, 15.0, _done(_complete("ab"))),
+    ("reopen: one back is below min", _round1(), _nodes(2, "a", b=1, c=1), 5.0, None,
+     _wait(None, _act(K.ADD_TO_WAIT_LIST, "a"))),
+    ("reopen: back below min, the others lost", _round1(), _nodes(2, "a"), 5.0, None,
+     _wait(None, _act(K.REMOVE_FROM_PARTICIPANTS, "bc"), _act(K.ADD_TO_WAIT_LIST, "a"))),
+    ("reopen: over-max joiners become the redundancy list", _round1(), _nodes(2, "abcde"), 5.0,
+     None, _done(_complete("abcd", redundant="e"))),
+    # Newcomers while the last round's participants are alive and none asked: they wait.
+    ("not open: a newcomer goes to the wait list", _round1(), _nodes(2, "d", a=1, b=1, c=1),
+     5.0, None, _wait(None, _act(K.ADD_TO_WAIT_LIST, "d"))),
+    ("not open: even max newcomers only wait", _round1("ab"),
+     _nodes(2, "cdef", a=1, b=1), 5.0, None, _wait(None, _act(K.ADD_TO_WAIT_LIST, "cdef"))),
+    ("not open: listed newcomers are not listed again", _round1(wait_list=("d",)),
+     _nodes(2, "d", a=1, b=1, c=1), 5.0, None, _wait(None)),
+    ("not open: a running timer is dropped", _round1(), _nodes(2, "de", a=1, b=1, c=1), 30.0,
+     15.0, _wait(None, _act(K.ADD_TO_WAIT_LIST, "de"))),
+    # A round with no live participant left forms from whoever asks.
+    ("orphaned: newcomers start last call", _round1("ab"), _nodes(2, "de"), 5.0, None,
+     _wait(15.0, _act(K.REMOVE_FROM_PARTICIPANTS, "ab"), _act(K.ADD_TO_WAIT_LIST, "de"))),
+    ("orphaned: newcomers complete at the deadline", _round1("ab", lost=("a", "b"),
+     wait_list=("d", "e")), _nodes(2, "de"), 15.0, 15.0, _done(_complete("de"))),
+    ("orphaned: newcomers complete at max at once", _round1("ab"), _nodes(2, "cdef"), 5.0, None,
+     _done(_complete("cdef"))),
+    # Bookkeeping of a completed round.
+    ("lost participant is recorded", _round1(), _nodes(1, "ab"), 5.0, None,
+     _wait(None, _act(K.REMOVE_FROM_PARTICIPANTS, "c"))),
+    ("a lost participant is recorded once", _round1(lost=("c",)), _nodes(1, "ab"), 5.0, None,
+     _wait(None)),
+    ("gone waiting node is removed", _round1(wait_list=("d", "e")), _nodes(2, "e", a=1, b=1, c=1),
+     5.0, None, _wait(None, _act(K.REMOVE_FROM_WAIT_LIST, "d"))),
+    ("gone redundant node is removed", _round1("abcd", redundancy_list=("e", "f")),
+     _nodes(1, "abcd", f=2), 5.0, None, _wait(None, _act(K.REMOVE_FROM_REDUNDANCY_LIST, "e"))),
+    ("full round: newcomers go to the redundancy list", _round1("abcd"), _nodes(2, "fe", a=1, b=1,
+     c=1, d=1), 5.0, None, _wait(None, _act(K.ADD_TO_REDUNDANCY_LIST, "ef"))),
+    ("full round: a returning participant waits, a newcomer is redundant", _round1("abcd"),
+     _nodes(2, "ae", b=1, c=1, d=1), 5.0, None,
+     _wait(15.0, _act(K.ADD_TO_WAIT_LIST, "a"), _act(K.ADD_TO_REDUNDANCY_LIST, "e"))),
+    ("full round with a loss: newcomers wait", _round1("abcd"), _nodes(2, "e", a=1, b=1, c=1),
+     5.0, None, _wait(None, _act(K.REMOVE_FROM_PARTICIPANTS, "d"), _act(K.ADD_TO_WAIT_LIST, "e"))),
+    ("every change in one decision", _round1("abcd", wait_list=("x",), redundancy_list=("y",)),
+     _nodes(2, "e", a=1, b=1, c=1), 5.0, None,
+     _wait(None, _act(K.REMOVE_FROM_PARTICIPANTS, "d"), _act(K.REMOVE_FROM_WAIT_LIST, "x"),
+           _act(K.REMOVE_FROM_REDUNDANCY_LIST, "y"), _act(K.ADD_TO_WAIT_LIST, "e"))),
+    # Closed.
+    ("closed: no actions at max", RdzvState(closed=True), _nodes(1, "abcd"), 5.0, None,
+     _wait(None)),
+    ("closed: no bookkeeping", _round1(closed=True), _nodes(2, "de"), 50.0, 15.0, _wait(None)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("state", "nodes", "now", "deadline", "expected"),
+    [c[1:] for c in COORD_CASES],
+    ids=[c[0] for c in COORD_CASES],
+)
+def test_decide_coordinator(
+    state: RdzvState,
+    nodes: dict[str, NodeInfo],
+    now: float,
+    deadline: float | None,
+    expected: CoordinatorDecision,
+) -> None:
+    assert decide_coordinator(state, nodes, LIM, now, deadline) == expected
+
+
+RANK_CASES: list[tuple[str, RdzvState, dict[str, NodeInfo], tuple[str, ...]]] = [
+    # (id, state of round 1, live keys asking for round 2, expected participants of round 2)
+    ("survivors keep their order", _round1("cab"), _nodes(2, "abc"), ("c", "a", "b")),
+    ("rank 0 stays put, newcomers follow by arrival", _round1("cab"), _nodes(2, "abcyx"),
+     ("c", "a", "b", "x", "y")),
+    ("rank 0 lost: survivors keep their relative order", _round1("cab"), _nodes(2, "bad"),
+     ("a", "b", "d")),
+    ("newcomers by arrival even with earlier names", _round1("gf"), _nodes(2, "gfba"),
+     ("g", "f", "a", "b")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("state", "nodes", "expected"),
+    [c[1:] for c in RANK_CASES],
+    ids=[c[0] for c in RANK_CASES],
+)
+def test_rank_order_at_completion(
+    state: RdzvState, nodes: dict[str, NodeInfo], expected: tuple[str, ...]
+) -> None:
+    limits = Limits(min_nodes=1, max_nodes=8, last_call_timeout=10.0)
+    decision = decide_coordinator(state, nodes, limits, 100.0, 50.0)
+    new = apply(state, decision.actions)
+    assert new.round == 2
+    assert new.participants == expected
+    assert (new.master_addr, new.master_port) == (
+        f"host-{expected[0]}",
+        nodes[expected[0]].free_port,
+    )
+
+
+def test_last_call_runs_from_first_reaching_min_to_completion() -> None:
+    """Follow one first formation through the deadline the decisions hand back."""
+    state, deadline = RdzvState(), None
+    timeline = [(0.0, "a"), (3.0, "ab"), (8.0, "a"), (9.0, "abc"), (18.9, "abc"), (19.0, "abc")]
+    seen = []
+    for now, names in timeline:
+        decision = decide_coordinator(state, _nodes(1, names), LIM, now, deadline)
+        deadline = decision.last_call_deadline
+        seen.append((deadline, bool(decision.actions)))
+        state = apply(state, decision.actions)
+    # Min reached at 3 (deadline 13), lost at 8 (reset), reached again at 9 (deadline 19).
+    assert seen == [(None, False), (13.0, False), (None, False), (19.0, False), (19.0, False),
+                    (None, True)]  # fmt: skip
+    assert state.round == 1
+    assert state.participants == ("a", "b", "c")
+
+
+# --- apply, close, num_waiting ---------------------------------------------------------
+
+_BASE = RdzvState(
+    round=3,
+    participants=("a", "b", "c"),
+    wait_list=("d",),
+    redundancy_list=("e",),
+    lost=("c",),
+    master_addr="host-a",
+    master_port=1,
+    completed_at_unix_ms=5,
+    written_by="a",
+)
+
+APPLY_CASES: list[tuple[str, Action, dict[str, object]]] = [
+    ("wait list: add, no duplicates", _act(K.ADD_TO_WAIT_LIST, "fdg"),
+     {"wait_list": ("d", "f", "g")}),
+    ("redundancy list: add, no duplicates", _act(K.ADD_TO_REDUNDANCY_LIST, "ef"),
+     {"redundancy_list": ("e", "f")}),
+    ("lost participant is recorded, rank table kept", _act(K.REMOVE_FROM_PARTICIPANTS, "bc"),
+     {"lost": ("c", "b")}),
+    ("wait list: remove", _act(K.REMOVE_FROM_WAIT_LIST, "dz"), {"wait_list": ()}),
+    ("redundancy list: remove", _act(K.REMOVE_FROM_REDUNDANCY_LIST, "e"),
+     {"redundancy_list": ()}),
+    ("complete: next round, lists reset", Action(K.MARK_RENDEZVOUS_COMPLETE, ("d", "a"),
+     redundant=("e",), master_addr="host-d", master_port=7),
+     {"round": 4, "participants": ("d", "a"), "wait_list": (), "redundancy_list": ("e",),
+      "lost": (), "master_addr": "host-d", "master_port": 7, "completed_at_unix_ms": 99}),
+    ("closed", Action(K.MARK_RENDEZVOUS_CLOSED, reason="training done"),
+     {"closed": True, "closed_reason": "training done"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("action", "changed"), [c[1:] for c in APPLY_CASES], ids=[c[0] for c in APPLY_CASES]
+)
+def test_apply(action: Action, changed: dict[str, object]) -> None:
+    before = copy.deepcopy(_BASE)
+    new = apply(_BASE, [action], now_unix_ms=99)
+    assert before == _BASE  # the input is untouched
+    expected = {**vars(_BASE), **changed}
+    assert vars(new) == expected
+
+
+def test_apply_records_the_writer_and_applies_in_order() -> None:
+    actions = [
+        _act(K.REMOVE_FROM_PARTICIPANTS, "a"),
+        Action(K.MARK_RENDEZVOUS_COMPLETE, ("b",), master_addr="host-b", master_port=2),
+        _act(K.ADD_TO_WAIT_LIST, "a"),
+    ]
+    before = copy.deepcopy(_BASE)
+    new = apply(_BASE, actions, written_by="coord-1", now_unix_ms=123)
+    assert before == _BASE
+    assert (new.round, new.participants, new.lost, new.wait_list) == (4, ("b",), (), ("a",))
+    assert (new.written_by, new.completed_at_unix_ms) == ("coord-1", 123)
+    assert apply(_BASE, []) is _BASE
+    assert apply(_BASE, [], written_by="").written_by == "a"
+
+
+def test_close_is_idempotent() -> None:
+    actions = close(_BASE, "operator stop")
+    assert actions == (Action(K.MARK_RENDEZVOUS_CLOSED, reason="operator stop"),)
+    closed = apply(_BASE, actions)
+    assert (closed.closed, closed.closed_reason) == (True, "operator stop")
+    assert close(closed, "again") == ()
+    assert apply(closed, close(closed, "again")) == closed
+    assert decide_coordinator(closed, _nodes(4, "abcd"), LIM, 0.0, None) == _wait(None)
+
+
+@pytest.mark.parametrize(
+    ("state", "expected"),
+    [
+        (RdzvState(), 0),
+        (RdzvState(round=1, participants=("a", "b"), redundancy_list=("e",)), 0),
+        (RdzvState(round=1, participants=("a", "b"), wait_list=("d", "e")), 2),
+        (RdzvState(round=1, participants=("a", "b"), lost=("b",)), 1),
+        (RdzvState(round=1, participants=("a", "b"), wait_list=("a", "d"), lost=("b",)), 3),
+    ],
+    ids=["nothing", "redundant nodes do not count", "wait list", "lost", "wait list plus lost"],
+)
+def test_num_waiting(state: RdzvState, expected: int) -> None:
+    assert state.num_waiting == expected
