@@ -456,7 +456,7 @@ class EtcdClient:
 
     @property
     def watch_endpoint(self) -> str | None:
-        """The endpoint the watch stream is connected to, or None while it has none."""
+        """The endpoint the watch stream last got an answer from (None: no stream)."""
         return self._watcher.endpoint
 
     # -- plumbing ----------------------------------------------------------------------
@@ -884,7 +884,8 @@ class KeepAlive:
         self._lock = threading.Lock()
         self._call: Any = None
         self._last_ok = client._clock()
-        self.endpoint: str | None = None  # where the stream is connected, for diagnostics
+        # Where the stream last got an answer (None while reconnecting), for diagnostics.
+        self.endpoint: str | None = None
         self._thread = threading.Thread(
             target=self._run, name=f"etcd-keepalive-{lease_id:x}", daemon=True
         )
@@ -967,8 +968,8 @@ class KeepAlive:
                     self._call = call
                 if self._stop.is_set():
                     call.cancel()
-                self.endpoint = client.config.endpoints[index]
                 for rsp in call:
+                    self.endpoint = client.config.endpoints[index]
                     if rsp.TTL <= 0:
                         self._declare_lost("etcd says it expired or was revoked")
                         return
@@ -990,6 +991,8 @@ class KeepAlive:
                 with self._lock:
                     self._call = None
                 self.endpoint = None
+            if self._stop.is_set():
+                return  # closed on purpose: not an endpoint failure
             if raise_kind == REAUTH:
                 client._invalidate_token(metadata)
             else:
@@ -997,7 +1000,9 @@ class KeepAlive:
             failures += 1
             if failures % len(client.config.endpoints) == 0:
                 left = self.ttl - (clock() - self._last_ok)
-                delay = backoff_delay(failures // len(client.config.endpoints) - 1, random.random())
+                delay = backoff_delay(
+                    failures // len(client.config.endpoints) - 1, client._rng.random()
+                )
                 self._stop.wait(max(0.0, min(delay, left)))
 
 
@@ -1153,11 +1158,11 @@ class _Watcher:
                     if self._closed:
                         call.cancel()
                     self._call, self._requests = call, requests
-                    self.endpoint = client.config.endpoints[index]
                     for state in self._watches:
                         self._send_create(state, requests)
                 for response in call:
                     failures = 0
+                    self.endpoint = client.config.endpoints[index]
                     self._handle(response, metadata)
             except grpc.RpcError as exc:
                 code, details = _status(exc)
@@ -1175,7 +1180,7 @@ class _Watcher:
                     for state in self._watches:
                         state.server_id = None
             if self._closed:
-                return
+                return  # closed on purpose: not an endpoint failure
             if kind == REAUTH:
                 client._invalidate_token(metadata)
             elif kind == RETRY:
@@ -1183,7 +1188,9 @@ class _Watcher:
             failures += 1
             if failures % len(client.config.endpoints) == 0:
                 client._sleep(
-                    backoff_delay(failures // len(client.config.endpoints) - 1, random.random())
+                    backoff_delay(
+                        failures // len(client.config.endpoints) - 1, client._rng.random()
+                    )
                 )
 
     def _handle(self, rs: Any, metadata: Metadata) -> None:

@@ -51,6 +51,15 @@ def prefix(run_id: str) -> bytes:
     return f"/etcd-client-test/{run_id}/".encode()
 
 
+def _eventually(predicate: Any, timeout: float = 10.0) -> None:
+    """Poll a condition nothing signals (a thread's progress), with a bound."""
+    deadline = time.monotonic() + timeout
+    pause = threading.Event()
+    while not predicate():
+        assert time.monotonic() < deadline, f"condition not met within {timeout} s"
+        pause.wait(0.02)
+
+
 class Recorder:
     """Collects watch callbacks; tests wait on it with a bound, never a bare sleep."""
 
@@ -156,6 +165,39 @@ def test_prefix_ops_sorting_limits_and_deletes(etcd1: EtcdCluster, prefix: bytes
         assert client.count_prefix(prefix)[0] == 1  # n0 survived
 
 
+def test_one_client_shared_by_many_threads_counts_exactly_with_cas(
+    etcd3: EtcdCluster, prefix: bytes
+) -> None:
+    key = prefix + b"counter"
+    threads_n, increments = 16, 10
+    errors: list[BaseException] = []
+    with _client(etcd3.endpoints) as client:
+
+        def worker() -> None:
+            try:
+                for _ in range(increments):
+                    kv, _ = client.get(key)
+                    while True:
+                        value = int(kv.value) if kv else 0
+                        result = client.put_if_mod_revision(
+                            key, b"%d" % (value + 1), kv.mod_revision if kv else 0
+                        )
+                        if result.succeeded:
+                            break
+                        kv = result.current  # the lost race already read the winner
+            except BaseException as exc:  # reported below, in the test's thread
+                errors.append(exc)
+
+        workers = [threading.Thread(target=worker) for _ in range(threads_n)]
+        for thread in workers:
+            thread.start()
+        for thread in workers:
+            thread.join(60)
+        assert errors == []
+        kv, _ = client.get(key)
+        assert kv is not None and int(kv.value) == threads_n * increments
+
+
 # -- watches ------------------------------------------------------------------------------
 
 
@@ -255,8 +297,9 @@ def test_watch_resumes_without_loss_or_duplicates_after_its_member_is_killed(
         rec.wait(lambda r: len(r.events) == 1)
         lease = client.lease_grant(5)
         keepalive = client.keep_alive(lease, 5)
+        _eventually(lambda: keepalive.endpoint is not None)
         victim = client.watch_endpoint
-        assert victim is not None
+        assert victim is not None and keepalive.endpoint == victim
         others = [e for e in cluster.endpoints if e != victim]
         with _client(others, retry_budget=20.0) as writer:
             for i in range(1, 10):
@@ -270,6 +313,7 @@ def test_watch_resumes_without_loss_or_duplicates_after_its_member_is_killed(
         revisions = [e.kv.mod_revision for e in rec.events]
         assert revisions == sorted(set(revisions))
         assert client.watch_endpoint in others
+        assert keepalive.endpoint in (*others, None)  # reconnected elsewhere (or in between)
         assert not keepalive.lost()
         assert client.lease_time_to_live(lease) > 0
         keepalive.close()
