@@ -45,7 +45,8 @@ _DESCRIPTION = """\
 Start the workers of one node of an elastic PyTorch job, like torchrun, with the
 rendezvous kept in etcd (v3 API). Run the same command on every node; nodes that share
 --rdzv-endpoint and --rdzv-id form one job. Every flag also takes its default from the
-environment variable PET_<FLAG> (e.g. PET_NPROC_PER_NODE=2), as in torchrun."""
+environment variable PET_<FLAG> (e.g. PET_NPROC_PER_NODE=2), and every --flag-name can
+be written --flag_name, as in torchrun."""
 
 _EPILOG = """\
 examples:
@@ -76,6 +77,21 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Lists each option once, dash spelling only, with its value name once."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if not action.option_strings:
+            return super()._format_action_invocation(action)
+        # The underscore spellings work too (the description says so); listing them
+        # would double every line of the help.
+        names = ", ".join(n for n in action.option_strings if "_" not in n)
+        if action.nargs == 0:
+            return names
+        default = self._get_default_metavar_for_optional(action)
+        return f"{names} {self._format_args(action, default)}"
+
+
 def _dest(names: tuple[str, ...]) -> str:
     long = next((n for n in names if n.startswith("--")), names[0])
     return long.lstrip("-").replace("-", "_")
@@ -97,7 +113,7 @@ def build_parser(*, environ: Mapping[str, str] | None = None) -> argparse.Argume
         prog=PROG,
         description=_DESCRIPTION,
         epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
 
     def option(
@@ -106,10 +122,11 @@ def build_parser(*, environ: Mapping[str, str] | None = None) -> argparse.Argume
         default: str | None,
         help: str,
         metavar: str | None = None,
+        show_default: bool = True,
     ) -> None:
         dest = _dest(names)
         value = env.get(f"PET_{dest.upper()}", default)
-        shown = "" if default is None else f" (default: {default or 'none'})"
+        shown = f" (default: {default or 'none'})" if show_default and default is not None else ""
         group.add_argument(*names, dest=dest, default=value, metavar=metavar, help=help + shown)
 
     def flag(group: argparse._ArgumentGroup, *names: str, help: str) -> None:
@@ -140,6 +157,7 @@ def build_parser(*, environ: Mapping[str, str] | None = None) -> argparse.Argume
         "--rdzv-backend",
         "--rdzv_backend",
         default="etcd-v2",
+        metavar="NAME",
         help="etcd-v2 or etcd-v3: both are this project's etcd v3 rendezvous",
     )
     option(
@@ -148,7 +166,9 @@ def build_parser(*, environ: Mapping[str, str] | None = None) -> argparse.Argume
         "--rdzv_endpoint",
         default="",
         metavar="HOST:PORT[,HOST:PORT...]",
-        help="the etcd members (port defaults to 2379)",
+        help="the etcd members, port 2379 unless given (default: none, which for a "
+        "one-node job means --standalone)",
+        show_default=False,
     )
     option(
         rdzv,
@@ -156,7 +176,9 @@ def build_parser(*, environ: Mapping[str, str] | None = None) -> argparse.Argume
         "--rdzv_id",
         default="none",
         metavar="RUN_ID",
-        help="job name shared by all nodes: 1-128 of A-Z a-z 0-9 . _ -",
+        help="job name shared by all nodes: 1-128 of A-Z a-z 0-9 . _ - "
+        "(default: none; random with --standalone)",
+        show_default=False,
     )
     option(
         rdzv,
@@ -164,8 +186,9 @@ def build_parser(*, environ: Mapping[str, str] | None = None) -> argparse.Argume
         "--rdzv_conf",
         default="",
         metavar="KEY=VALUE,...",
-        help="rendezvous settings, e.g. join_timeout=600,last_call_timeout=30,"
-        "lease_ttl=5,protocol=https,ca_cert=FILE,user=U,password=P",
+        help="rendezvous settings, e.g. join_timeout=600,lease_ttl=5; keys: join_timeout, "
+        "last_call_timeout, close_timeout, read_timeout, timeout, lease_ttl, key_prefix, "
+        "protocol, ssl_cert, ssl_cert_key, ca_cert, user, password",
     )
     flag(
         rdzv,
@@ -264,7 +287,8 @@ def build_parser(*, environ: Mapping[str, str] | None = None) -> argparse.Argume
         "--local_ranks_filter",
         default="",
         metavar="R,...",
-        help="show console output only of these local ranks (default: all)",
+        help="show console output only of these local ranks (default: every rank)",
+        show_default=False,
     )
 
     addr = parser.add_argument_group("addresses")
@@ -304,41 +328,23 @@ def build_parser(*, environ: Mapping[str, str] | None = None) -> argparse.Argume
     compat = parser.add_argument_group(
         "torchrun flags accepted and ignored (a warning says so when set)"
     )
-    option(
-        compat,
-        "--event-log-handler",
-        "--event_log_handler",
-        default="null",
-        help="torch event log handler",
-    )
-    option(compat, "--logs-specs", "--logs_specs", default=None, help="torch logs-specs plugin")
-    option(compat, "--numa-binding", "--numa_binding", default=None, help="NUMA binding mode")
-    option(
-        compat,
-        "--signals-to-handle",
-        "--signals_to_handle",
-        default=_SIGNALS_DEFAULT,
-        help="signals forwarded to workers",
-    )
-    option(
-        compat,
-        "--duplicate-stdout-filters",
-        "--duplicate_stdout_filters",
-        default="",
-        help="stdout duplication filters",
-    )
-    option(
-        compat,
-        "--duplicate-stderr-filters",
-        "--duplicate_stderr_filters",
-        default="",
-        help="stderr duplication filters",
-    )
+    for dest, (name, default, why) in IGNORED_FLAGS.items():
+        if isinstance(default, bool):
+            continue
+        option(
+            compat,
+            name,
+            "--" + dest,
+            default=None if default is None else str(default),
+            metavar="VALUE",
+            help=f"ignored: {why}",
+            show_default=bool(default),
+        )
     flag(
         compat,
         "--virtual-local-rank",
         "--virtual_local_rank",
-        help="LOCAL_RANK=0 with one visible GPU per worker",
+        help=f"ignored: {IGNORED_FLAGS['virtual_local_rank'][2]}",
     )
 
     parser.add_argument(

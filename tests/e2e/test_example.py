@@ -119,3 +119,36 @@ def test_demo_trains_through_a_worker_crash(tmp_path: Path) -> None:
     assert "demo: finished; the job survived a worker crash" in result.stdout
     assert "epoch 4/4" in result.stdout
     _no_etcd_left(tmp_path)
+
+
+def test_sigterm_stops_workers_and_removes_the_implicit_standalone_etcd(tmp_path: Path) -> None:
+    """No --rdzv-endpoint on one node means --standalone, as torchrun; SIGTERM ends it all."""
+    report = tmp_path / "report.jsonl"
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    proc = subprocess.Popen(
+        [str(BIN / "etcdrun"), "--nproc-per-node=2", str(EXAMPLE), "--epochs", "1000",
+         "--sleep-per-step", "0.1", "--report", str(report)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    seen: list[str] = []
+    try:
+        assert proc.stdout is not None
+        started = 0
+        for line in proc.stdout:  # ends at EOF if etcdrun dies early; the asserts say so
+            seen.append(line)
+            started += "attempt 0: rank" in line
+            if started == 2:
+                break
+        assert started == 2, "".join(seen)[-4000:]
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, (("".join(seen)) + out)[-4000:]
+    for record in _report(report):
+        with pytest.raises(ProcessLookupError):
+            os.kill(record["pid"], 0)
+    _no_etcd_left(tmp_path)
