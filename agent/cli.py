@@ -266,7 +266,6 @@ def _config(
             )
         # torchrun runs a one-node job without any rendezvous flag; so do we, on an
         # embedded etcd.
-        log.info("no --rdzv-endpoint for a one-node job: running as --standalone")
         standalone = True
     if standalone and max_nodes > 1:
         raise UsageError(
@@ -374,7 +373,10 @@ def parse_args(
         )
     except UsageError as exc:
         parser.error(str(exc))
+    # Logged only now: a bad command line prints nothing but its one error line.
     _warn_ignored(ns)
+    if config.standalone and not ns.standalone:
+        log.info("no --rdzv-endpoint for a one-node job: running as --standalone")
     return config
 
 

@@ -155,20 +155,21 @@ def test_misuse_is_one_line_and_exit_code_2(
 
 
 def test_console_path_prints_one_line_and_exits_2() -> None:
+    # torch warns at import when numpy is missing; that is not our output.
+    env = dict(os.environ, PYTHONWARNINGS="ignore:Failed to initialize NumPy:UserWarning")
     proc = subprocess.run(
-        [sys.executable, "-m", "agent", "--nnodes=4:2", "x.py"],
+        [sys.executable, "-m", "agent", "--max-restarts=-1", "--nnodes=4:2", "x.py"],
         cwd=ROOT,
+        env=env,
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 2
-    ours = [line for line in proc.stderr.splitlines() if line.startswith("etcdrun:")]
-    assert ours == [
+    assert proc.stderr == (
         "etcdrun: error: --nnodes: minimum 4 is greater than maximum 2; "
-        "give MIN:MAX with MIN <= MAX"
-    ]
-    assert proc.stderr.rstrip("\n").splitlines()[-1] == ours[0]
+        "give MIN:MAX with MIN <= MAX\n"
+    )
     assert proc.stdout == ""
 
 
