@@ -52,7 +52,7 @@ from coordinator.store import EtcdStore
 from coordinator.transitions import Limits, NodeAction, apply, close, decide_node
 from coordinator.view import StateView
 
-__all__ = ["EtcdRendezvousHandler", "create_handler", "torchrun_handler_factory"]
+__all__ = ["EtcdRendezvousHandler", "create_handler"]
 
 log = logging.getLogger(__name__)
 
@@ -355,8 +355,3 @@ def create_handler(
         local_world_size=local_world_size,
         role=role,
     )
-
-
-def torchrun_handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:
-    """The ``torchrun.handlers`` entry point: torch calls it and registers the result."""
-    return create_handler

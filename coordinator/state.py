@@ -123,9 +123,7 @@ def encode_state(state: RdzvState) -> bytes:
         round=state.round,
         complete=state.round > 0,
         closed=state.closed,
-        participants=[
-            pb.Participant(node_id=n, rank=r) for r, n in enumerate(state.participants)
-        ],
+        participants=[pb.Participant(node_id=n, rank=r) for r, n in enumerate(state.participants)],
         wait_list=list(state.wait_list),
         redundancy_list=list(state.redundancy_list),
         lost=list(state.lost),
