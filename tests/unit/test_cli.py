@@ -313,3 +313,17 @@ def test_help_groups_flags_and_shows_an_example(capsys: pytest.CaptureFixture[st
     for text in ("rendezvous (etcd):", "restarts and monitoring:", "(default: 1:1)",
                  "etcdrun --standalone --nproc-per-node=2 train.py"):  # fmt: skip
         assert text in out
+
+
+def test_standalone_without_an_etcd_binary_is_one_line_and_exit_code_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    launched: list[LaunchConfig] = []
+    monkeypatch.setattr(cli, "_launch", launched.append)
+    monkeypatch.setenv("ETCD_BINARY", str(tmp_path / "no-etcd"))
+    assert main(["--standalone", "train.py"]) == 1
+    assert capsys.readouterr().err == (
+        f"etcdrun: error: --standalone: ETCD_BINARY={tmp_path / 'no-etcd'} is not an "
+        "executable file; point it at an etcd server binary\n"
+    )
+    assert launched == []
