@@ -23,6 +23,7 @@ network I/O: the first call connects and authenticates.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import random
@@ -962,7 +963,7 @@ class KeepAlive:
             try:
                 metadata = client._metadata()
                 call = client._channels.stubs(index).lease.LeaseKeepAlive(
-                    self._requests(done, pending), metadata=metadata
+                    self._requests(done, pending), metadata=_stream_metadata(metadata)
                 )
                 with self._lock:
                     self._call = call
@@ -1062,6 +1063,13 @@ def _event(pb: Any) -> WatchEvent:
     return WatchEvent(kind=kind, kv=_kv(pb.kv), prev_kv=prev)
 
 
+def _stream_metadata(metadata: Metadata) -> tuple[tuple[str, str], ...]:
+    # "hasleader" asks etcd to end the stream when its member loses the leader (e.g. it
+    # is partitioned away), instead of leaving us on a member that will never send
+    # another event or renew a lease; we then fail over like on any broken stream.
+    return (*(metadata or ()), ("hasleader", "true"))
+
+
 def _queue_iter(requests: queue.SimpleQueue[Any]) -> Iterator[Any]:
     while True:
         item = requests.get()
@@ -1152,7 +1160,7 @@ class _Watcher:
             try:
                 metadata = client._metadata()
                 call = client._channels.stubs(index).watch.Watch(
-                    _queue_iter(requests), metadata=metadata
+                    _queue_iter(requests), metadata=_stream_metadata(metadata)
                 )
                 with self._cond:
                     if self._closed:
@@ -1169,6 +1177,9 @@ class _Watcher:
                 kind = classify_status(code, details)
                 if not self._closed:
                     log.info("etcd watch stream to %s broke: %s", self.endpoint, details)
+            except EtcdAuthError as exc:
+                # The credentials are refused: no retry can help these watches.
+                self._fail_all(exc)
             except (EtcdConnectionError, ValueError) as exc:
                 log.warning("etcd watch stream cannot connect: %s", exc)
             finally:
@@ -1192,6 +1203,13 @@ class _Watcher:
                         failures // len(client.config.endpoints) - 1, client._rng.random()
                     )
                 )
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._cond:
+            states = list(self._watches)
+            self._watches.clear()
+        for state in states:
+            self._deliver(state, functools.partial(_report, state, error))
 
     def _handle(self, rs: Any, metadata: Metadata) -> None:
         with self._cond:

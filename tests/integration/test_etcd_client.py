@@ -442,9 +442,15 @@ def test_auth_good_and_bad_passwords_permissions_and_token_refresh(prefix: bytes
             root.put(prefix + b"anything", b"1")
             assert root.get(prefix + b"anything")[0] is not None
 
-        bad = _client([ep], user="alice", password="wrong")
-        with bad, pytest.raises(EtcdAuthError) as info:
-            bad.get(allowed + b"k")
+        with _client([ep], user="alice", password="wrong") as bad:
+            refused = Recorder()
+            bad.watch(
+                allowed, 0, refused.on_events, refused.on_compacted, on_error=refused.on_error
+            )
+            refused.wait(lambda r: bool(r.errors))
+            with pytest.raises(EtcdAuthError) as info:
+                bad.get(allowed + b"k")
+        assert str(refused.errors[0]) == str(info.value)
         assert str(info.value) == (
             "etcd rejected the credentials of user 'alice' (etcdserver: authentication failed, "
             "invalid user ID or password); check the user and password settings"
