@@ -194,7 +194,10 @@ class CoordinatorDuty:
                         state, decision.actions, written_by=me.node_id, now_unix_ms=self._wall_ms()
                     )
                     result = self._client.put_if_mod_revision(
-                        self._keys.state, encode_state(new), mod_revision
+                        self._keys.state,
+                        encode_state(new),
+                        mod_revision,
+                        also_delete_prefixes=self._stale_store_prefixes(state.round, new.round),
                     )
                     if result.succeeded:
                         self.commits += 1
@@ -220,6 +223,13 @@ class CoordinatorDuty:
             watch.cancel()
             with self._nodes_lock:
                 self._nodes.clear()
+
+    def _stale_store_prefixes(self, old_round: int, new_round: int) -> list[bytes]:
+        # When round R completes, round R-1's store may still be read by an agent finishing
+        # its exit barrier; R-2's cannot be, so it goes in the same transaction.
+        if new_round == old_round or new_round < 3:
+            return []
+        return [self._keys.store_prefix(new_round - 2)]
 
     # -- node keys ---------------------------------------------------------------------
 

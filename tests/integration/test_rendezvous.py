@@ -203,3 +203,17 @@ def test_killing_one_etcd_member_mid_rendezvous_still_completes(
     joins.start([2])
     infos = joins.infos(timeout=60)
     assert sorted(i.rank for i in infos.values()) == [0, 1, 2]
+
+
+def test_old_store_rounds_are_removed_when_a_round_completes(
+    etcd1: EtcdCluster, run_id: str, handlers: list[EtcdRendezvousHandler]
+) -> None:
+    handlers += [make_handler(etcd1, run_id, 2, 2) for _ in range(2)]
+    keys = RunKeys("/etcd-elastic", run_id)
+    for _ in range(4):
+        infos = Joins(handlers).start().infos()
+        infos[0].store.set("k", "v")
+    with EtcdClient(EtcdConfig(endpoints=tuple(etcd1.endpoints))) as client:
+        kvs, _ = client.get_prefix(keys.store_root)
+    rounds = sorted({kv.key[len(keys.store_root) :].split(b"/")[0] for kv in kvs})
+    assert rounds == [b"3", b"4"]  # rounds 1 and 2 cleaned up by the completing commits
