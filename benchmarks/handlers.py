@@ -1,0 +1,127 @@
+"""Build rendezvous handlers inside a node process, one per simulated node.
+
+A node process receives a plain JSON spec (system name, endpoint, run id, sizes, config)
+and turns it into handlers here, so no Python object ever crosses a process boundary.
+
+Torch's handlers are built exactly as torch's registry builds them (``create_backend``
+then ``dynamic_rendezvous.create_handler``), with one difference: the backend is wrapped
+in :class:`CountingBackend`, which counts state reads, state writes and failed
+compare-and-swaps. Ours comes from ``coordinator.handler.create_handler``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from torch.distributed import Store  # type: ignore[attr-defined]
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousBackend,
+    Token,
+    create_handler,
+)
+
+__all__ = ["Counters", "CountingBackend", "build_handler", "handler_counters"]
+
+
+class Counters:
+    """Thread-safe counters shared by every wrapped backend of one node process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.values: dict[str, int] = {"state_reads": 0, "state_writes": 0, "failed_cas": 0}
+
+    def add(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self.values[name] = self.values.get(name, 0) + amount
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.values)
+
+
+class CountingBackend(RendezvousBackend):
+    """Torch's backend, unchanged, with each call counted.
+
+    ``set_state`` is one compare-and-swap; torch reports a lost race as ``has_set=False``
+    (the etcd-v2 backend then reads the state again, which it does inside ``set_state``).
+    """
+
+    def __init__(self, inner: RendezvousBackend, counters: Counters) -> None:
+        self._inner = inner
+        self._counters = counters
+
+    @property
+    def name(self) -> str:
+        return self._inner.name
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        self._counters.add("state_reads")
+        return self._inner.get_state()
+
+    def set_state(
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None:
+        self._counters.add("state_writes")
+        result = self._inner.set_state(state, token)
+        if result is not None and not result[2]:
+            self._counters.add("failed_cas")
+        return result
+
+
+def _params(spec: dict[str, Any], backend: str) -> RendezvousParameters:
+    config = {str(k): str(v) for k, v in spec.get("config", {}).items()}
+    return RendezvousParameters(
+        backend=backend,
+        endpoint=str(spec["endpoint"]),
+        run_id=str(spec["run_id"]),
+        min_nodes=int(spec["min_nodes"]),
+        max_nodes=int(spec["max_nodes"]),
+        local_addr="127.0.0.1",
+        **config,
+    )
+
+
+def build_handler(spec: dict[str, Any], counters: Counters) -> RendezvousHandler:
+    """Return a fresh handler for ``spec["system"]`` (``etcd-v3``, ``c10d`` or ``etcd-v2``).
+
+    Raises:
+        ValueError: the system name is none of the three.
+    """
+    system = spec["system"]
+    backend: RendezvousBackend
+    store: Store
+    if system == "etcd-v3":
+        from coordinator.handler import create_handler as create_ours
+
+        return create_ours(_params(spec, "etcd-v3"))
+    if system == "c10d":
+        from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+
+        params = _params(spec, "c10d")
+        backend, store = c10d_rendezvous_backend.create_backend(params)
+    elif system == "etcd-v2":
+        from torch.distributed.elastic.rendezvous import etcd_rendezvous_backend
+
+        params = _params(spec, "etcd-v2")
+        backend, store = etcd_rendezvous_backend.create_backend(params)
+    else:
+        raise ValueError(f"unknown system {system!r}: use etcd-v3, c10d or etcd-v2")
+    return create_handler(store, CountingBackend(backend, counters), params)
+
+
+def handler_counters(handlers: list[RendezvousHandler]) -> dict[str, int]:
+    """Sum the counters our handlers expose (a ``counters()`` method), if they expose any."""
+    total: dict[str, int] = {}
+    for handler in handlers:
+        method = getattr(handler, "counters", None)
+        if not callable(method):
+            continue
+        values = method()
+        if not isinstance(values, dict):
+            continue
+        for key, value in values.items():
+            if isinstance(value, int):
+                total[str(key)] = total.get(str(key), 0) + value
+    return total

@@ -1,0 +1,151 @@
+"""A node process: holds several simulated nodes (one thread and one handler each).
+
+Run as ``python -m benchmarks.node``. The harness writes one JSON object per line on
+stdin and reads one JSON object per line from stdout:
+
+- first line, the spec: ``{"system", "endpoint", "run_id", "min_nodes", "max_nodes",
+  "config", "nodes": [node index, ...]}``; the process builds one handler per node and
+  answers ``{"event": "ready"}`` (or ``{"event": "fatal", "error"}``);
+- ``{"cmd": "rendezvous", "id", "at", "nodes"}``: each listed node (all if absent) waits
+  for the common start ``at`` (``time.monotonic()``, which is system-wide on Linux) and
+  calls ``next_rendezvous()``; answers ``{"event": "done", "id", "node", "t_end", "rank",
+  "world"}`` or ``{"event": "error", "id", "node", "error"}`` per node;
+- ``{"cmd": "on_waiting", "id", "poll", "until"}``: each node polls
+  ``num_nodes_waiting()`` every ``poll`` seconds, as torch's agent does every monitor
+  interval, and calls ``next_rendezvous()`` as soon as it is above 0; answers as above;
+- ``{"cmd": "counters", "id"}``: answers ``{"event": "counters", "id", "values"}``;
+- ``{"cmd": "exit"}`` or end of input: the process exits at once (the run is over; its
+  servers are thrown away, so nobody needs a clean leave).
+
+Run as ``python -m benchmarks.node --store-host PORT``, it hosts the TCPStore of torch's
+c10d backend until its stdin closes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+__all__ = ["main"]
+
+_out_lock = threading.Lock()
+
+
+def _emit(message: dict[str, Any]) -> None:
+    line = json.dumps(message)
+    with _out_lock:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:500]
+
+
+def _wait_until(at: float) -> None:
+    # The common start of a measured step: a timestamp, not a condition to poll.
+    delay = at - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)
+
+
+def _rendezvous(handler: Any, node: int, cmd_id: int) -> None:
+    try:
+        info = handler.next_rendezvous()
+        t_end = time.monotonic()
+        _emit(
+            {
+                "event": "done",
+                "id": cmd_id,
+                "node": node,
+                "t_end": t_end,
+                "rank": int(info.rank),
+                "world": int(info.world_size),
+            }
+        )
+    except Exception as exc:
+        _emit({"event": "error", "id": cmd_id, "node": node, "error": _describe(exc)})
+
+
+def _run_rendezvous(handler: Any, node: int, cmd: dict[str, Any]) -> None:
+    _wait_until(float(cmd["at"]))
+    _rendezvous(handler, node, int(cmd["id"]))
+
+
+def _run_on_waiting(handler: Any, node: int, cmd: dict[str, Any]) -> None:
+    poll = float(cmd["poll"])
+    until = float(cmd["until"])
+    cmd_id = int(cmd["id"])
+    try:
+        while handler.num_nodes_waiting() == 0:
+            if time.monotonic() > until:
+                _emit({"event": "error", "id": cmd_id, "node": node, "error": "no node waiting"})
+                return
+            # torch's agent polls at its monitor interval; both systems get the same.
+            time.sleep(poll)
+    except Exception as exc:
+        _emit({"event": "error", "id": cmd_id, "node": node, "error": _describe(exc)})
+        return
+    _rendezvous(handler, node, cmd_id)
+
+
+def _serve(spec: dict[str, Any]) -> None:
+    from benchmarks.handlers import Counters, build_handler, handler_counters
+
+    counters = Counters()
+    handlers: dict[int, Any] = {}
+    try:
+        for node in spec["nodes"]:
+            handlers[int(node)] = build_handler(spec, counters)
+    except Exception as exc:
+        _emit({"event": "fatal", "error": _describe(exc)})
+        return
+    _emit({"event": "ready", "pid": os.getpid()})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        kind = cmd["cmd"]
+        if kind == "exit":
+            return
+        if kind == "counters":
+            values = counters.snapshot()
+            values.update(handler_counters(list(handlers.values())))
+            _emit({"event": "counters", "id": cmd["id"], "values": values})
+            continue
+        target = _run_rendezvous if kind == "rendezvous" else _run_on_waiting
+        wanted = cmd.get("nodes")
+        for node, handler in handlers.items():
+            if wanted is None or node in wanted:
+                threading.Thread(
+                    target=target, args=(handler, node, cmd), name=f"node-{node}", daemon=True
+                ).start()
+
+
+def _host_store(port: int) -> None:
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    store = TCPStore(
+        "127.0.0.1", port, is_master=True, multi_tenant=True, timeout=timedelta(seconds=60)
+    )
+    _emit({"event": "ready", "pid": os.getpid(), "port": store.port})
+    sys.stdin.read()
+
+
+def main(argv: list[str]) -> None:
+    """Entry point; see the module docstring for the protocol."""
+    if len(argv) == 2 and argv[0] == "--store-host":
+        _host_store(int(argv[1]))
+    else:
+        _serve(json.loads(sys.stdin.readline()))
+    sys.stdout.flush()
+    # Handler threads (heartbeats, watches) are not ours to join: the run is over.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,156 @@
+"""Each scenario as the CLI runs it: its defaults, its settings, its JSON result.
+
+Every result has ``scenario``, ``point`` (what was measured), ``unit``, ``method``
+(how), ``environment`` and ``systems`` (per system: ``available``, ``min``, ``median``,
+``max``, ``n``, ``samples``, ``errors``, ``figures``, ``config``,
+``ratio_vs_torch_c10d``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks import rendezvous
+from benchmarks.runner import Sample, environment, finish, measure
+from benchmarks.systems import System
+
+__all__ = ["SCENARIOS", "run_all", "run_scenario"]
+
+Result = dict[str, Any]
+
+# Whole seconds: torch parses its timeouts as integers. A realistic last call where it
+# matters (scale-up, node loss), the same on both sides.
+_LAST_CALL_REALISTIC_S = 5
+# Formation uses min = max = N, where last call never starts; 1 s as in the issue's runs.
+_LAST_CALL_FORMATION_S = 1
+
+
+def _layout(args: argparse.Namespace, nodes: int) -> str:
+    count = max(1, min(nodes, args.processes))
+    return f"{nodes} nodes as threads in {count} node processes (one handler per thread)"
+
+
+def _result(scenario: str, point: str, unit: str, method: str, systems: Result) -> Result:
+    return {
+        "scenario": scenario,
+        "point": point,
+        "unit": unit,
+        "method": method,
+        "environment": environment(),
+        "systems": finish(systems),
+    }
+
+
+def formation(args: argparse.Namespace) -> Result:
+    nodes = args.nodes or (2 if args.smoke else 32)
+    last_call = args.last_call or _LAST_CALL_FORMATION_S
+
+    def run(system: System, _: int) -> Sample:
+        return rendezvous.formation_run(system, nodes, args.processes, last_call, args.timeout)
+
+    shared = {"min_nodes": nodes, "max_nodes": nodes, "last_call_timeout": last_call}
+    systems = measure(args.systems, run, args.repeat, shared, lease_ttl=args.lease_ttl)
+    method = (
+        f"{_layout(args, nodes)}; handlers built first, then every node calls "
+        "next_rendezvous() at one common start; time from that start to the last node "
+        "returning; ranks checked to be a permutation of 0..N-1. etcd_proposals = raft "
+        "proposals committed (every write request incl. failed CAS txns and lease grants), "
+        "etcd_revision = successful key-changing txns, etcd_watch_events = events sent "
+        "to watchers; node_failed_cas / node_state_writes count torch's backend calls."
+    )
+    return _result("formation", f"N={nodes}", "seconds", method, systems)
+
+
+def scale_up(args: argparse.Namespace) -> Result:
+    nodes = args.nodes or (2 if args.smoke else 8)
+    last_call = args.last_call or _LAST_CALL_REALISTIC_S
+    max_nodes = 2 * nodes
+
+    def run(system: System, _: int) -> Sample:
+        return rendezvous.scale_up_run(
+            system, nodes, max_nodes, args.processes, last_call, args.timeout
+        )
+
+    shared = {"min_nodes": nodes, "max_nodes": max_nodes, "last_call_timeout": last_call}
+    method = (
+        f"{_layout(args, nodes)} form a group (min {nodes}, max {max_nodes}); one more node "
+        "(own process, handler built beforehand) calls next_rendezvous(); the group's "
+        f"nodes poll num_nodes_waiting() every {rendezvous.MONITOR_INTERVAL_S} s (torch "
+        "agent's monitor interval) and re-join when it is > 0; time from the new node's "
+        f"call to the last of the {nodes + 1} returning with world size {nodes + 1}."
+    )
+    systems = measure(args.systems, run, args.repeat, shared, lease_ttl=args.lease_ttl)
+    return _result("scale-up", f"N={nodes}+1", "seconds", method, systems)
+
+
+def node_loss(args: argparse.Namespace) -> Result:
+    nodes = args.nodes or (3 if args.smoke else 8)
+    last_call = args.last_call or _LAST_CALL_REALISTIC_S
+    min_nodes = max(1, nodes // 2)
+
+    def run(system: System, _: int) -> Sample:
+        return rendezvous.node_loss_run(system, nodes, min_nodes, 0, last_call, args.timeout)
+
+    shared = {"min_nodes": min_nodes, "max_nodes": nodes, "last_call_timeout": last_call}
+    method = (
+        f"{nodes} nodes, one process each, form a group (min {min_nodes}, max {nodes}); the "
+        "process holding group rank 0 is SIGKILLed and every survivor calls "
+        "next_rendezvous() at once (torch's best case); time from the kill to the last "
+        f"of the {nodes - 1} survivors returning with world size {nodes - 1}."
+    )
+    systems = measure(args.systems, run, args.repeat, shared, lease_ttl=args.lease_ttl)
+    return _result("node-loss", f"N={nodes}", "seconds", method, systems)
+
+
+def idle(args: argparse.Namespace) -> Result:
+    nodes = args.nodes or (2 if args.smoke else 32)
+    seconds = 2.0 if args.smoke else (args.seconds or 30.0)
+
+    def run(system: System, _: int) -> Sample:
+        return rendezvous.idle_run(system, nodes, args.processes, seconds, args.timeout)
+
+    shared = {"min_nodes": nodes, "max_nodes": nodes, "last_call_timeout": 1}
+    method = (
+        f"{_layout(args, nodes)} form a group, then sit idle {seconds:g} s; the sample is "
+        "CPU seconds per node over the window (node processes, /proc utime+stime, all "
+        "threads, divided by N); figures give it as % of one core, the server's CPU, "
+        "etcd gRPC messages received per second per node, and torch's backend calls."
+    )
+    systems = measure(args.systems, run, args.repeat, shared, lease_ttl=args.lease_ttl)
+    return _result("idle", f"N={nodes}, {seconds:g} s", "CPU seconds per node", method, systems)
+
+
+def worker_failure(args: argparse.Namespace) -> Result:
+    from benchmarks.agents import worker_failure as run
+
+    return run(args)
+
+
+def etcd_ceiling(args: argparse.Namespace) -> Result:
+    from benchmarks.ceiling import etcd_ceiling as run
+
+    return run(args)
+
+
+SCENARIOS: dict[str, Callable[[argparse.Namespace], Result]] = {
+    "formation": formation,
+    "scale-up": scale_up,
+    "node-loss": node_loss,
+    "worker-failure": worker_failure,
+    "idle": idle,
+    "etcd-ceiling": etcd_ceiling,
+}
+
+
+def run_scenario(name: str, args: argparse.Namespace) -> Result:
+    """Run one scenario by its CLI name."""
+    return SCENARIOS[name](args)
+
+
+def run_all(args: argparse.Namespace) -> Result:
+    """Every scenario, formation over all sizes; writes docs/performance.{md,json,png}."""
+    from benchmarks.report import run_all as run
+
+    return run(args)
