@@ -81,7 +81,10 @@ def decide_node(
         return NodeAction.ERROR_CLOSED
     if wanted_round and state.round == wanted_round and state.rank_of(node_id) is not None:
         return NodeAction.FINISH
-    if now >= join_deadline:
+    spare = wanted_round > state.round and node_id in state.redundancy_list
+    if now >= join_deadline and not spare:
+        # A spare (listed as redundant because the round is full) waits without a
+        # deadline, as torch's: it is what takes a lost node's place.
         return NodeAction.ERROR_TIMEOUT
     if wanted_round <= state.round:
         # Never asked, or the round it asked for completed without it: ask for the next.

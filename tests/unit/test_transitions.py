@@ -127,12 +127,6 @@ def test_decide_node(
     assert decide_node(state, node_id, wanted, now, join_deadline=100.0) is expected
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="decide_node applies join_timeout to a node in the redundancy list of a full "
-    "round (ERROR_TIMEOUT after join_timeout), so hot spares leave the run; torch's "
-    "_RendezvousJoinOp keeps such a node (SYNC/KEEP_ALIVE) without a timeout",
-)
 def test_spare_in_redundancy_list_of_full_round_does_not_time_out() -> None:
     full = RdzvState(round=1, participants=("a", "b", "c", "d"), redundancy_list=("e",))
     assert decide_node(full, "e", 2, now=1000.0, join_deadline=600.0) is NodeAction.SYNC
