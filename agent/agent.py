@@ -9,6 +9,7 @@ a step by the pure :func:`agent.policy.next_step`.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import signal
@@ -20,7 +21,7 @@ from datetime import timedelta
 from types import FrameType
 from typing import TextIO
 
-from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousHandler
+from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler
 
 from agent.config import LaunchConfig
 from agent.errorfile import Failure, format_report, read_failure, root_cause
@@ -196,12 +197,13 @@ class Agent:
             return self._monitor()
         except WorkerStartError as exc:
             return self._give_up(str(exc))
-        except RendezvousClosedError as exc:
-            return self._give_up(
-                f"run {self._handler.get_run_id()} is closed ({exc}): another node finished "
-                "or gave up; start a new run id to train again",
-                close=False,
-            )
+        except RendezvousError as exc:
+            # Closed, join timeout, etcd unreachable, unreadable state: nothing this node
+            # can fix by restarting, and none of them is a reason to close the run for
+            # the others (a closed run is closed already). Our handler's messages name
+            # the run, the endpoints or the key; torch's may span lines.
+            text = " ".join(str(exc).split()) or f"the rendezvous failed ({type(exc).__name__})"
+            return self._give_up(f"etcdrun: error: {text}", close=False)
 
     def _monitor(self) -> int | None:
         if not self._start_round():
@@ -222,7 +224,7 @@ class Agent:
             if step is Step.SUCCEED:
                 log.info("%s: all workers succeeded; waiting for the other nodes", self._ctx())
                 self._exit_barrier()
-                self._handler.set_closed()  # type: ignore[no-untyped-call]
+                self._close_run("the job finished: every worker succeeded")
                 return 0
             if step is Step.FAIL:
                 self._collect_failures()
@@ -250,19 +252,42 @@ class Agent:
     def _give_up(self, reason: str | None, *, close: bool = True) -> int:
         self._stop_group()
         if close:
-            try:
-                self._handler.set_closed()  # type: ignore[no-untyped-call]
-            except Exception:
-                log.exception("%s: could not close the rendezvous", self._ctx())
+            self._close_run(self._close_reason(reason))
         parts = [reason] if reason else []
         if self._failures:
             parts.append(format_report(self._name(), self._failures, self._hostname))
         self._report = "\n".join(parts) or f"{self._name()} FAILED: worker group state unknown"
-        log.error("%s: giving up\n%s", self._ctx(), self._report)
+        # The report goes to stderr once, below; logging it too would print it twice.
+        log.error("%s: giving up", self._ctx())
         err = self._console_err or sys.stderr
         err.write(self._report + "\n")
         err.flush()
         return 1
+
+    def _close_run(self, reason: str | None) -> None:
+        """Close the run for every node (after success, or when giving up); a failure to
+        close is logged, not fatal: the workers' outcome decides the exit code."""
+        set_closed: Callable[..., None] = self._handler.set_closed
+        try:
+            # Ours takes the reason and shows it to every node that finds the run closed
+            # (torch's handlers take none).
+            if reason is not None and "reason" in inspect.signature(set_closed).parameters:
+                set_closed(reason=reason)
+            else:
+                set_closed()
+        except Exception:
+            log.exception("%s: could not close the rendezvous", self._ctx())
+
+    def _close_reason(self, reason: str | None) -> str:
+        """One line for the other nodes: who gave up, and the root cause."""
+        who = f"node {self._group_rank} ({self._hostname}) gave up"
+        if self._failures:
+            first = root_cause(self._failures)
+            return (
+                f"{who} after {self.restart_count} restarts: rank {first.global_rank} "
+                f"failed: {first.message}"
+            )
+        return f"{who}: {reason}" if reason else who
 
     def _name(self) -> str:
         return self._config.entrypoint

@@ -91,13 +91,17 @@ def launch(config: LaunchConfig) -> int:
 
 
 def _release(handler: RendezvousHandler, *, stopped_by_signal: bool) -> None:
-    # A node stopped by a signal only leaves: closing the run would end it for every
-    # other node too (torch skips shutdown() then, for the same reason).
+    # The agent already closed the run where that is right (success, restarts exhausted),
+    # so with our handler a node only leaves: its lease is revoked and the others see it
+    # go at once. A node that could not join (etcd unreachable, join timeout, the run is
+    # closed) must not close the run for the others, which torch's shutdown() would do.
+    # A handler without leave() gets torch's treatment: shutdown(), except after a signal
+    # (torch skips it then too, so a stopped node does not end the job for everyone).
     leave: Callable[[], None] | None = getattr(handler, "leave", None)
     try:
-        if not stopped_by_signal:
-            handler.shutdown()
-        elif leave is not None:
+        if leave is not None:
             leave()
+        elif not stopped_by_signal:
+            handler.shutdown()
     except Exception:
         log.exception("run %s: could not release the rendezvous", handler.get_run_id())

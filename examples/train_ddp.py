@@ -244,6 +244,7 @@ def main(argv: list[str] | None = None) -> None:
                     "restart_count": restart,
                     "start_epoch": start_epoch,
                     "pid": os.getpid(),
+                    "time": time.time(),
                     "env": {name: os.environ.get(name) for name in TORCHRUN_ENV},
                 },
             )
