@@ -478,17 +478,17 @@ class EtcdClient:
             rng=self._rng,
         )
 
-    def _metadata(self) -> Metadata:
+    def _metadata(self, budget: float | None = None) -> Metadata:
         """The token metadata for a call, authenticating first if we have none."""
         if self._config.user is None:
             return None
         with self._auth_lock:
             if self._token is None:
-                self._token = self._authenticate()
+                self._token = self._authenticate(budget or self._config.retry_budget)
             token = self._token
         return (("token", token),) if token else None
 
-    def _authenticate(self) -> str:
+    def _authenticate(self, budget: float) -> str:
         request = etcdrpc.AuthenticateRequest(
             name=self._config.user, password=self._config.password
         )
@@ -498,7 +498,7 @@ class EtcdClient:
             return str(stubs.auth.Authenticate(request, timeout=timeout).token)
 
         try:
-            return self._failover("Authenticate", attempt, self._config.retry_budget)
+            return self._failover("Authenticate", attempt, budget)
         except grpc.RpcError as exc:
             code, details = _status(exc)
             kind = classify_status(code, details)
@@ -961,7 +961,8 @@ class KeepAlive:
             pending: list[float] = []
             metadata: Metadata = None
             try:
-                metadata = client._metadata()
+                # Re-authenticating must not outlast the lease's own deadline.
+                metadata = client._metadata(max(0.1, self.ttl - (clock() - self._last_ok)))
                 call = client._channels.stubs(index).lease.LeaseKeepAlive(
                     self._requests(done, pending), metadata=_stream_metadata(metadata)
                 )
