@@ -176,6 +176,7 @@ class EtcdCluster:
         extra_args: Sequence[str] = (),
         no_fsync: bool = False,
         log_level: str = "warn",
+        stop_grace: float = _STOP_GRACE_S,
     ) -> None:
         if size < 1:
             raise ValueError(f"an etcd cluster needs at least one member, got size={size}")
@@ -185,6 +186,9 @@ class EtcdCluster:
         self.extra_args = list(extra_args)
         self.no_fsync = no_fsync
         self.log_level = log_level
+        # A member that loses its peers while stopping may sit out the whole grace period
+        # trying to hand over leadership; throwaway test clusters use a short one.
+        self.stop_grace = stop_grace
         self.token = f"etcd-elastic-{os.getpid()}-{time.monotonic_ns()}"
         self.members = [
             EtcdMember(
@@ -307,7 +311,7 @@ class EtcdCluster:
             if proc is None:
                 continue
             try:
-                proc.wait(timeout=_STOP_GRACE_S)
+                proc.wait(timeout=self.stop_grace)
             except subprocess.TimeoutExpired:
                 log.warning("etcd member %s ignored SIGTERM; killing it", member.name)
                 proc.kill()

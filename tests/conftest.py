@@ -29,7 +29,10 @@ def _test_binary() -> Path:
 def _cluster(size: int) -> EtcdCluster:
     # fsync off only where the etcd build supports it; speed is measured by benchmarks.
     return EtcdCluster(
-        size, binary=_test_binary(), no_fsync=os.environ.get("ETCD_ELASTIC_FSYNC") != "1"
+        size,
+        binary=_test_binary(),
+        no_fsync=os.environ.get("ETCD_ELASTIC_FSYNC") != "1",
+        stop_grace=1.0,  # the data is thrown away: no need to wait out a leader hand-over
     )
 
 

@@ -58,8 +58,9 @@ def test_formation_writes_and_watch_events_grow_linearly(etcd1: EtcdCluster) -> 
     for n, cost in ((small, cost_small), (large, cost_large)):
         # One node key per node plus one state commit (and a few bookkeeping commits).
         assert cost["writes"] <= 2 * n + 10, (n, cost)
-        # The coordinator hears each join, each node hears the completion: O(N).
-        assert cost["events"] <= 4 * n + 20, (n, cost)
-    # Linear, not quadratic: 4x the nodes costs about 4x, far from 16x.
+        # The coordinator hears each join (unless it read it before its watch began), each
+        # node hears the completion: at most a few events per node. O(N²) fan-out would be
+        # N events per node: 200 per node at N = 200.
+        assert cost["events"] <= 3 * n + 20, (n, cost)
+    # Linear, not quadratic: 4x the nodes costs about 4x in writes, far from 16x.
     assert cost_large["writes"] <= 4.5 * cost_small["writes"]
-    assert cost_large["events"] <= 4.5 * cost_small["events"]
