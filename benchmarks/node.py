@@ -4,15 +4,16 @@ Run as ``python -m benchmarks.node``. The harness writes one JSON object per lin
 stdin and reads one JSON object per line from stdout:
 
 - first line, the spec: ``{"system", "endpoint", "run_id", "min_nodes", "max_nodes",
-  "config", "nodes": [node index, ...]}``; the process builds one handler per node and
+  "config", "nodes": [node index, ...], "env"?}``; the process builds one handler per node and
   answers ``{"event": "ready"}`` (or ``{"event": "fatal", "error"}``);
 - ``{"cmd": "rendezvous", "id", "at", "nodes"}``: each listed node (all if absent) waits
   for the common start ``at`` (``time.monotonic()``, which is system-wide on Linux) and
   calls ``next_rendezvous()``; answers ``{"event": "done", "id", "node", "t_end", "rank",
   "world"}`` or ``{"event": "error", "id", "node", "error"}`` per node;
-- ``{"cmd": "on_waiting", "id", "poll", "until"}``: each node polls
-  ``num_nodes_waiting()`` every ``poll`` seconds, as torch's agent does every monitor
-  interval, and calls ``next_rendezvous()`` as soon as it is above 0; answers as above;
+- ``{"cmd": "on_waiting", "id", "poll", "until"}``: each node calls
+  ``next_rendezvous()`` as soon as ``num_nodes_waiting()`` is above 0, checking it when
+  the handler announces a change (ours: ``subscribe``) or else every ``poll`` seconds, as
+  torch's agent does every monitor interval; answers as above;
 - ``{"cmd": "counters", "id"}``: answers ``{"event": "counters", "id", "values"}``;
 - ``{"cmd": "exit"}`` or end of input: the process exits at once (the run is over; its
   servers are thrown away, so nobody needs a clean leave).
@@ -80,22 +81,35 @@ def _run_on_waiting(handler: Any, node: int, cmd: dict[str, Any]) -> None:
     poll = float(cmd["poll"])
     until = float(cmd["until"])
     cmd_id = int(cmd["id"])
+    # Ours announces changes (subscribe), as our agent uses it; torch's handler has no such
+    # thing, so torch's agent polls at its monitor interval, and so do we for it.
+    changed = threading.Event()
+    subscribe = getattr(handler, "subscribe", None)
+    unsubscribe = subscribe(changed.set) if callable(subscribe) else None
     try:
         while handler.num_nodes_waiting() == 0:
-            if time.monotonic() > until:
+            left = until - time.monotonic()
+            if left <= 0:
                 _emit({"event": "error", "id": cmd_id, "node": node, "error": "no node waiting"})
                 return
-            # torch's agent polls at its monitor interval; both systems get the same.
-            time.sleep(poll)
+            if unsubscribe is not None:
+                changed.wait(left)
+                changed.clear()
+            else:
+                time.sleep(poll)
     except Exception as exc:
         _emit({"event": "error", "id": cmd_id, "node": node, "error": _describe(exc)})
         return
+    finally:
+        if unsubscribe is not None:
+            unsubscribe()
     _rendezvous(handler, node, cmd_id)
 
 
 def _serve(spec: dict[str, Any]) -> None:
     from benchmarks.handlers import Counters, build_handler, handler_counters
 
+    os.environ.update({str(k): str(v) for k, v in spec.get("env", {}).items()})
     counters = Counters()
     handlers: dict[int, Any] = {}
     try:

@@ -21,6 +21,11 @@ __all__ = ["formation_run", "idle_run", "node_loss_run", "scale_up_run"]
 
 # torch's agent asks num_nodes_waiting() every monitor interval (LaunchConfig default).
 MONITOR_INTERVAL_S = 0.1
+# torch 2.13's default shares rank 0's TCPStore across rounds: a node that joins a formed
+# group in a later round then waits for MASTER_ADDR, which rank 0 (set up in an earlier
+# round) never publishes again, and fails after read_timeout (60 s; measured). Torch's
+# own opt-out makes rank 0 publish it every round, so torch gets a number at all.
+TORCH_SCALE_UP_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 _START_MARGIN_S = 0.5
 
 
@@ -80,11 +85,14 @@ def scale_up_run(
     """A formed group of ``nodes`` notices one new node and completes a round with it.
 
     The new node has a process of its own and its handler is built beforehand; its start
-    is the moment it calls ``next_rendezvous()``. The group's nodes ask
-    ``num_nodes_waiting()`` every :data:`MONITOR_INTERVAL_S` and re-join once it is > 0.
+    is the moment it calls ``next_rendezvous()``. The group's nodes re-join once
+    ``num_nodes_waiting()`` is > 0, asking it on each change ours announces, and for torch
+    every :data:`MONITOR_INTERVAL_S` (torch's agent's monitor interval).
     """
     config = {"last_call_timeout": last_call, "join_timeout": int(timeout)}
     spec = system.spec(_run_id("up"), nodes, max_nodes, config)
+    if system.name != "etcd-v3":
+        spec["env"] = TORCH_SCALE_UP_ENV
     layout = [*split_nodes(nodes, processes), [nodes]]
     with NodeGroup(spec, layout) as group:
         group.start(timeout=120)

@@ -77,11 +77,19 @@ def scale_up(args: argparse.Namespace) -> Result:
     method = (
         f"{_layout(args, nodes)} form a group (min {nodes}, max {max_nodes}); one more node "
         "(own process, handler built beforehand) calls next_rendezvous(); the group's "
-        f"nodes poll num_nodes_waiting() every {rendezvous.MONITOR_INTERVAL_S} s (torch "
-        "agent's monitor interval) and re-join when it is > 0; time from the new node's "
+        "nodes re-join when num_nodes_waiting() > 0, checked on each change our handler "
+        f"announces (subscribe), for torch every {rendezvous.MONITOR_INTERVAL_S} s (torch "
+        "agent's monitor interval); time from the new node's "
         f"call to the last of the {nodes + 1} returning with world size {nodes + 1}."
     )
     systems = measure(args.systems, run, args.repeat, shared, lease_ttl=args.lease_ttl)
+    for name, entry in systems.items():
+        if name != "etcd-v3":
+            entry["config"]["env"] = dict(rendezvous.TORCH_SCALE_UP_ENV)
+            entry["config"]["env_why"] = (
+                "with torch's default (shared TCPStore) the new node fails: it waits for "
+                "MASTER_ADDR, which rank 0 never publishes again after its first round"
+            )
     return _result("scale-up", f"N={nodes}+1", "seconds", method, systems)
 
 

@@ -42,6 +42,8 @@ ETCD_COUNTERS = {
     "v2_writes": "etcd_debugging_store_writes_total",
     "v2_reads": "etcd_debugging_store_reads_total",
     "v2_watch_requests": "etcd_debugging_store_watch_requests_total",
+    "lease_grants": "etcd_debugging_lease_granted_total",
+    "lease_revokes": "etcd_debugging_lease_revoked_total",
 }
 
 
@@ -92,10 +94,24 @@ def counter_delta(before: Mapping[str, float], after: Mapping[str, float], name:
 
 
 def etcd_activity(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, int]:
-    """The change of every counter in :data:`ETCD_COUNTERS` between two scrapes."""
-    return {
+    """The change of every counter in :data:`ETCD_COUNTERS` between two scrapes.
+
+    Adds ``failed_cas_estimate``: v3 proposals that changed no key and were no lease
+    grant or revoke, i.e. write transactions whose compare failed (v3 only; etcd has no
+    counter of its own for them).
+    """
+    activity = {
         key: round(counter_delta(before, after, metric)) for key, metric in ETCD_COUNTERS.items()
     }
+    if activity["v2_writes"] == 0:
+        activity["failed_cas_estimate"] = max(
+            0,
+            activity["proposals"]
+            - activity["revision"]
+            - activity["lease_grants"]
+            - activity["lease_revokes"],
+        )
+    return activity
 
 
 def rank_problem(ranks: Iterable[int], world_sizes: Iterable[int], expected: int) -> str | None:
