@@ -88,6 +88,7 @@ class Agent:
         self._console_out = console_out
         self._console_err = console_err
         self._wake = threading.Event()
+        self._push_events = False
         self._stop_signal: int | None = None
         self._blocking = False
         self._restarts_left = config.max_restarts
@@ -169,6 +170,7 @@ class Agent:
             self._handler, "subscribe", None
         )
         unsubscribe = subscribe(self.wake) if subscribe is not None else None
+        self._push_events = unsubscribe is not None
         try:
             try:
                 code = self._loop()
@@ -203,6 +205,9 @@ class Agent:
             # the others (a closed run is closed already). Our handler's messages name
             # the run, the endpoints or the key; torch's may span lines.
             text = " ".join(str(exc).split()) or f"the rendezvous failed ({type(exc).__name__})"
+            # This node's own failures, if any, are consequences here (its peers went
+            # away), so they are not reported as the root cause; the line says it all.
+            self._failures = {}
             return self._give_up(f"etcdrun: error: {text}", close=False)
 
     def _monitor(self) -> int | None:
@@ -217,6 +222,16 @@ class Agent:
                 return None
             group = self._group
             state = group.state() if group is not None else WorkerState.UNKNOWN
+            if state in (WorkerState.HEALTHY, WorkerState.FAILED) and self._closed_by_another():
+                # Nobody will come back to this run: running workers can only wait for
+                # peers that are gone (up to a collective's timeout), and failed ones most
+                # likely failed because those peers went. The next rendezvous raises the
+                # handler's closed error, which carries the closer's reason (its root cause).
+                log.warning("%s: the run was closed by another node; stopping", self._ctx())
+                self._stop_group()
+                if not self._start_round():
+                    return None
+                continue
             changed = state is WorkerState.HEALTHY and self._handler.num_nodes_waiting() > 0
             step = next_step(state, self._restarts_left, changed)
             if step is Step.CONTINUE:
@@ -249,10 +264,19 @@ class Agent:
             if not self._start_round():
                 return None
 
+    def _closed_by_another(self) -> bool:
+        # Only a handler that pushes events (ours) answers is_closed() from memory;
+        # torch's c10d handler would make a store round trip at every monitor tick.
+        if not self._push_events:
+            return False
+        return bool(self._handler.is_closed())
+
     def _give_up(self, reason: str | None, *, close: bool = True) -> int:
-        self._stop_group()
         if close:
+            # Close before stopping: the other nodes learn the root cause (and stop their
+            # workers) while ours are still being stopped.
             self._close_run(self._close_reason(reason))
+        self._stop_group()
         parts = [reason] if reason else []
         if self._failures:
             parts.append(format_report(self._name(), self._failures, self._hostname))

@@ -21,7 +21,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ROOT", "AgentProc", "Agents", "descendants", "read_report", "wait_for"]
+__all__ = [
+    "ETCDRUN",
+    "EXAMPLE",
+    "ROOT",
+    "AgentProc",
+    "Agents",
+    "alive",
+    "descendants",
+    "read_report",
+    "wait_for",
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_ddp.py"

@@ -9,6 +9,7 @@ start epoch, the time it was running), which is what most assertions read.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -21,7 +22,17 @@ import pytest
 from coordinator.etcd_client import EtcdClient, EtcdConfig
 from coordinator.etcd_server import EtcdCluster, free_port
 from coordinator.keys import DEFAULT_KEY_PREFIX, RunKeys
-from tests.e2e.agents import ETCDRUN, EXAMPLE, ROOT, Agents, read_report, wait_for
+from tests.e2e.agents import (
+    ETCDRUN,
+    EXAMPLE,
+    ROOT,
+    AgentProc,
+    Agents,
+    alive,
+    descendants,
+    read_report,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -156,3 +167,172 @@ def test_unreachable_etcd_fails_after_bounded_retries_naming_endpoints(
     assert "within 3 s" in errors[0], out
     assert took < 60, f"took {took:.1f} s"
     assert not (tmp_path / "report.jsonl").exists()
+
+
+def _pid_owner(agents: Agents, worker_pid: int) -> AgentProc:
+    for agent in agents.procs:
+        if worker_pid in descendants(agent.pid):
+            return agent
+    raise AssertionError(f"no agent runs worker pid {worker_pid}\n{agents.logs()}")
+
+
+def _world(report: Path, size: int, after: float = 0.0) -> list[dict[str, Any]]:
+    return [r for r in read_report(report) if r["world_size"] == size and r["time"] > after]
+
+
+def test_a_third_agent_scales_the_job_up_without_counting_a_restart(
+    agents: Agents, tmp_path: Path
+) -> None:
+    """Scenario 2: 2 x 2 workers, then a third agent joins -> WORLD_SIZE=6, same restart
+    count, resumed from the checkpoint, finished."""
+    report = tmp_path / "report.jsonl"
+    conf = ["--nnodes=1:4", "--nproc-per-node=2", "--rdzv-conf=last_call_timeout=5"]
+    script = _script(tmp_path, "--sleep-per-step", "0.1", epochs=14)
+    agents.start("a", conf, script)
+    agents.start("b", conf, script)
+    wait_for("a world of 4", lambda: len(_world(report, 4)) == 4, STARTED, diagnose=agents.logs)
+    agents.start("c", conf, script)
+    wait_for("a world of 6", lambda: len(_world(report, 6)) == 6, JOB, diagnose=agents.logs)
+    for agent in agents.procs:
+        assert agent.wait(JOB) == 0, agents.logs()
+    six = _world(report, 6)
+    assert _ranks_ok(six, 6), six
+    assert {r["env"]["GROUP_WORLD_SIZE"] for r in six} == {"3"}
+    assert {r["restart_count"] for r in read_report(report)} == {0}, read_report(report)
+    assert min(r["start_epoch"] for r in six) > 0, "the world of 6 did not resume"
+    assert len({r["start_epoch"] for r in six}) == 1, six
+    assert re.search(r"epoch 14/14: loss \S+ \(world size 6\)", agents.logs()), agents.logs()
+    assert agents.leftovers() == []
+
+
+def test_a_failed_worker_restarts_every_group_once(agents: Agents, tmp_path: Path) -> None:
+    """Scenario 3: rank 3 exits 1 once at epoch 1; both groups restart, training resumes
+    from epoch 1 and finishes."""
+    report = tmp_path / "report.jsonl"
+    conf = ["--nnodes=2", "--nproc-per-node=2", "--max-restarts=2"]
+    script = _script(tmp_path, "--fail-once-at-epoch", "1", "--fail-rank", "3", epochs=3)
+    a = agents.start("a", conf, script)
+    b = agents.start("b", conf, script)
+    assert a.wait(JOB) == 0, agents.logs()
+    assert b.wait(JOB) == 0, agents.logs()
+    lines = read_report(report)
+    first = [r for r in lines if r["start_epoch"] == 0]
+    second = [r for r in lines if r["start_epoch"] == 1]
+    assert len(lines) == 8 and _ranks_ok(first, 4) and _ranks_ok(second, 4), lines
+    failing_node = next(r["group_rank"] for r in first if r["rank"] == 3)
+    counts = {(r["group_rank"], r["restart_count"]) for r in second}
+    print(f"scenario 3: (group rank, restart count) after the failure: {sorted(counts)}")
+    assert (failing_node, 1) in counts, counts
+    assert {r["restart_count"] for r in first} == {0}
+    assert "epoch 3/3" in a.output() + b.output()
+    assert agents.leftovers() == []
+
+
+def test_losing_a_node_restarts_the_others_within_the_lease_ttl(
+    agents: Agents, tmp_path: Path
+) -> None:
+    """Scenario 4: SIGKILL the agent (and workers) of group rank 0, the coordinator's
+    likely seat and the workers' master; the two others train again in a new round."""
+    ttl = 3
+    report = tmp_path / "report.jsonl"
+    conf = [
+        "--nnodes=2:3", "--nproc-per-node=1", "--max-restarts=3",
+        f"--rdzv-conf=lease_ttl={ttl},last_call_timeout=5",
+    ]  # fmt: skip
+    script = _script(tmp_path, "--sleep-per-step", "0.1", epochs=12)
+    for name in "abc":
+        agents.start(name, conf, script)
+    wait_for("a world of 3", lambda: len(_world(report, 3)) == 3, STARTED, diagnose=agents.logs)
+    victim = _pid_owner(agents, next(r["pid"] for r in _world(report, 3) if r["rank"] == 0))
+    killed_at = time.time()
+    victim.kill_node()
+    wait_for(
+        "the survivors' new round",
+        lambda: len(_world(report, 2, after=killed_at)) == 2,
+        JOB,
+        diagnose=agents.logs,
+    )
+    resumed = _world(report, 2, after=killed_at)
+    first_up = min(r["time"] for r in resumed) - killed_at
+    all_up = max(r["time"] for r in resumed) - killed_at
+    print(
+        f"scenario 4: lease_ttl={ttl} s: SIGKILL -> first survivor worker running "
+        f"{first_up:.2f} s, both running {all_up:.2f} s"
+    )
+    assert all_up < ttl + 15, f"{all_up:.1f} s from SIGKILL to a new round, lease TTL {ttl} s"
+    assert _ranks_ok(resumed, 2), resumed
+    for agent in agents.procs:
+        if agent is not victim:
+            assert agent.wait(JOB) == 0, agents.logs()
+    assert agents.leftovers() == []
+
+
+def test_restarts_exhausted_every_agent_fails_naming_the_rank(
+    agents: Agents, tmp_path: Path
+) -> None:
+    """Scenario 5: rank 3 always raises; one restart allowed."""
+    conf = ["--nnodes=2", "--nproc-per-node=2", "--max-restarts=1"]
+    script = _script(tmp_path, "--always-fail-rank", "3")
+    a = agents.start("a", conf, script)
+    b = agents.start("b", conf, script)
+    codes = a.wait(JOB), b.wait(JOB)
+    assert codes == (1, 1), agents.logs()
+    error = "RuntimeError: rank 3: failing on purpose (--always-fail-rank)"
+    gave_up = [a for a in agents.procs if "Root cause (first failure):" in a.output()]
+    assert len(gave_up) >= 1, agents.logs()
+    for agent in gave_up:
+        report = agent.output().split("Root cause (first failure):", 1)[1]
+        assert re.search(r"rank +: 3 \(local rank 1\)", report), report
+        assert f"error      : {error}" in report, report
+        assert "raise RuntimeError" in report, "the worker's traceback is missing"
+    for agent in agents.procs:
+        if agent in gave_up:
+            continue
+        # The other node found the run closed by the one that gave up, with its reason.
+        lines = [x for x in agent.output().splitlines() if x.startswith("etcdrun: error: ")]
+        assert len(lines) == 1, agent.output()
+        assert re.fullmatch(
+            rf"etcdrun: error: run '{agents.run_id}' is closed \(node \d \(.+\) gave up "
+            rf"after 1 restarts: rank 3 failed: {re.escape(error)}\): it admits no more "
+            "nodes; start a new run with another --rdzv-id",
+            lines[0],
+        ), lines[0]
+    assert agents.leftovers() == []
+
+
+def test_sigterm_makes_an_agent_leave_and_the_others_carry_on(
+    agents: Agents, etcd1: EtcdCluster, tmp_path: Path
+) -> None:
+    """Scenario 6: SIGTERM one of three agents (min_nodes 2); a long lease TTL shows that
+    its key goes at once because it leaves, not because the lease expired."""
+    report = tmp_path / "report.jsonl"
+    grace = 5.0
+    conf = [
+        "--nnodes=2:3", "--nproc-per-node=1", "--max-restarts=3", f"--shutdown-timeout={grace}",
+        "--rdzv-conf=lease_ttl=30,last_call_timeout=5",
+    ]  # fmt: skip
+    script = _script(tmp_path, "--sleep-per-step", "0.1", epochs=10)
+    for name in "abc":
+        agents.start(name, conf, script)
+    wait_for("a world of 3", lambda: len(_world(report, 3)) == 3, STARTED, diagnose=agents.logs)
+    assert _node_keys(etcd1, agents.run_id) == 3
+    victim = _pid_owner(agents, next(r["pid"] for r in _world(report, 3) if r["rank"] == 1))
+    workers = descendants(victim.pid)
+    stopped_at = time.time()
+    victim.proc.send_signal(signal.SIGTERM)
+    assert victim.wait(grace + 30) == 128 + signal.SIGTERM, victim.output()
+    took = time.time() - stopped_at
+    assert _node_keys(etcd1, agents.run_id) == 2, "the stopped node's key is still there"
+    assert not [pid for pid in workers if alive(pid)], "workers outlived their agent"
+    assert took < grace + 15, f"the agent took {took:.1f} s to stop"
+    wait_for(
+        "the others' new round",
+        lambda: len(_world(report, 2, after=stopped_at)) == 2,
+        JOB,
+        diagnose=agents.logs,
+    )
+    for agent in agents.procs:
+        if agent is not victim:
+            assert agent.wait(JOB) == 0, agents.logs()
+    assert "epoch 10/10" in "".join(a.output() for a in agents.procs)
+    assert agents.leftovers() == []
