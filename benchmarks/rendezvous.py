@@ -65,12 +65,23 @@ def formation_run(
         group.start(timeout=60 + nodes * 0.2)
         before = system.metrics()
         base = group.counters()
+        pids = [c.pid for c in group.children]
+        cpu0 = sum(cpu_seconds(p) for p in pids)
+        server0 = system.server_cpu()
         at = time.monotonic() + _START_MARGIN_S
         cmd = group.command({"cmd": "rendezvous", "at": at})
         t_last = _check(group.results(cmd, nodes, timeout), nodes, f"formation of {nodes}")
+        # Where the time went: CPU of the node processes and of the server meanwhile
+        # (2 cores in all: a sum near 2 x the time means the machine was the limit).
+        cpu = sum(cpu_seconds(p) for p in pids) - cpu0
+        server1 = system.server_cpu()
         after = group.counters()
         delta = {k: v - base.get(k, 0) for k, v in after.items()}
-        return Sample(t_last - at, _figures(system, before, delta))
+        figures = _figures(system, before, delta)
+        figures["nodes_cpu_s"] = cpu
+        if server0 is not None and server1 is not None:
+            figures["server_cpu_s"] = server1 - server0
+        return Sample(t_last - at, figures)
 
 
 def _form(group: NodeGroup, nodes: list[int], timeout: float) -> None:
