@@ -1,0 +1,77 @@
+"""The one package that talks to etcd (v3 gRPC API).
+
+Everything else in the project uses only the names in ``__all__``; swapping the client
+library must touch this package only. ``python3-etcd3`` contributes nothing but etcd's
+generated stubs and messages (``etcd3.etcdrpc``); channels, failover, retries, auth
+tokens, watch streams and keep-alive streams are ours (docs/decisions/etcd-client.md).
+
+Error boundary: no ``grpc.RpcError`` leaves this package. Every failure becomes a
+``coordinator.errors`` type (``raise … from exc``):
+
+* no member answered within ``retry_budget`` → ``EtcdConnectionError`` naming every
+  endpoint tried and the last gRPC status;
+* wrong credentials, missing credentials, or no permission on a key → ``EtcdAuthError``;
+* unreadable TLS file or a refused TLS handshake → ``EtcdTLSError``;
+* a bad argument (e.g. deleting the whole keyspace) → ``ValueError``; bad settings in
+  ``EtcdConfig`` → ``ConfigError`` at construction.
+
+Threads: a client owns at most one watch thread (all watches share one gRPC stream) and
+one thread per :class:`KeepAlive`; gRPC adds one request-feeding thread per stream. All
+are daemon threads and are joined by :meth:`EtcdClient.close`. Construction does no
+network I/O: the first call connects and authenticates.
+
+Layout, one concept per module (import from this package, not from them):
+
+* ``_types``: ``EtcdConfig`` and its validation, the values etcd returns, key ranges;
+* ``_failover``: failure kinds of a gRPC status, backoff, the endpoint ring,
+  ``run_with_failover`` (pure: clock, sleep and rng are injected);
+* ``_connection``: channels, the auth token, one unary RPC with failover and error
+  translation (the base of ``EtcdClient``);
+* ``_client``: ``EtcdClient``: KV, revision-guarded transactions, leases, watches;
+* ``_keepalive``: ``KeepAlive``, one keep-alive stream per lease;
+* ``_watch``: ``Watch``, every watch of a client on one resumable stream.
+"""
+
+from coordinator.etcd_client._client import EtcdClient
+
+# Not public, but importable from here as before the split: the unit tests pin the failure
+# kinds of classify_status() and drive run_with_failover() with a _Ring.
+from coordinator.etcd_client._failover import AUTH_DISABLED as AUTH_DISABLED
+from coordinator.etcd_client._failover import AUTH_FAILED as AUTH_FAILED
+from coordinator.etcd_client._failover import AUTH_REQUIRED as AUTH_REQUIRED
+from coordinator.etcd_client._failover import FATAL as FATAL
+from coordinator.etcd_client._failover import NOT_FOUND as NOT_FOUND
+from coordinator.etcd_client._failover import PERMISSION as PERMISSION
+from coordinator.etcd_client._failover import REAUTH as REAUTH
+from coordinator.etcd_client._failover import RETRY as RETRY
+from coordinator.etcd_client._failover import _Ring as _Ring
+from coordinator.etcd_client._failover import (
+    backoff_delay,
+    classify_status,
+    run_with_failover,
+)
+from coordinator.etcd_client._keepalive import KeepAlive
+from coordinator.etcd_client._types import (
+    EtcdConfig,
+    KeyValue,
+    TxnResult,
+    WatchEvent,
+    parse_endpoint,
+    prefix_range_end,
+)
+from coordinator.etcd_client._watch import Watch
+
+__all__ = [
+    "EtcdClient",
+    "EtcdConfig",
+    "KeepAlive",
+    "KeyValue",
+    "TxnResult",
+    "Watch",
+    "WatchEvent",
+    "backoff_delay",
+    "classify_status",
+    "parse_endpoint",
+    "prefix_range_end",
+    "run_with_failover",
+]

@@ -1,0 +1,269 @@
+"""Channels to etcd members, the auth token, and one unary RPC with failover."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from etcd3 import etcdrpc
+
+from coordinator.errors import EtcdAuthError, EtcdConnectionError, EtcdTLSError
+from coordinator.etcd_client._failover import (
+    AUTH_DISABLED,
+    AUTH_FAILED,
+    AUTH_REQUIRED,
+    PERMISSION,
+    REAUTH,
+    T,
+    _code_name,
+    _Ring,
+    _status,
+    classify_status,
+    run_with_failover,
+)
+from coordinator.etcd_client._types import EtcdConfig
+
+__all__ = ["Metadata", "_Connection", "_stream_metadata"]
+
+log = logging.getLogger("coordinator.etcd_client")  # one logger for the whole package
+Metadata = tuple[tuple[str, str], ...] | None
+
+# One stream per client stays open; keepalive pings find a silently dead member (a
+# SIGKILLed one resets the TCP connection and is noticed at once). 15 s stays above
+# etcd's default --grpc-keepalive-min-time (5 s), below which etcd sends GOAWAY.
+_CHANNEL_OPTIONS = (
+    ("grpc.keepalive_time_ms", 15_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    # A member that comes back must be usable within about a second, not grpc's 120 s.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+    ("grpc.min_reconnect_backoff_ms", 2_000),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.enable_retries", 0),  # we own retries and failover
+)
+
+
+def _read_tls_file(what: str, path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as handle:
+            return handle.read()
+    except OSError as exc:
+        raise EtcdTLSError(
+            f"cannot read the TLS {what} file {path!r}: {exc.strerror or exc}; "
+            "check the path and its permissions"
+        ) from exc
+
+
+@dataclass(frozen=True)
+class _Stubs:
+    kv: Any
+    lease: Any
+    watch: Any
+    auth: Any
+
+
+class _Channels:
+    """One gRPC channel per endpoint, opened on first use."""
+
+    def __init__(self, config: EtcdConfig) -> None:
+        self._config = config
+        self._creds: Any = None
+        if config.protocol == "https":
+            self._creds = grpc.ssl_channel_credentials(
+                root_certificates=_read_tls_file("CA certificate", config.ca_cert),
+                private_key=_read_tls_file("client key", config.cert_key),
+                certificate_chain=_read_tls_file("client certificate", config.cert),
+            )
+        self._lock = threading.Lock()
+        self._open: dict[int, tuple[Any, _Stubs]] = {}
+        self._closed = False
+
+    def stubs(self, index: int) -> _Stubs:
+        with self._lock:
+            if self._closed:
+                raise EtcdConnectionError("the etcd client is closed; create a new one")
+            if index not in self._open:
+                target = self._config.endpoints[index]
+                if self._creds is None:
+                    channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+                else:
+                    channel = grpc.secure_channel(target, self._creds, options=_CHANNEL_OPTIONS)
+                stubs = _Stubs(
+                    kv=etcdrpc.KVStub(channel),
+                    lease=etcdrpc.LeaseStub(channel),
+                    watch=etcdrpc.WatchStub(channel),
+                    auth=etcdrpc.AuthStub(channel),
+                )
+                self._open[index] = (channel, stubs)
+            return self._open[index][1]
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            channels = [channel for channel, _ in self._open.values()]
+            self._open.clear()
+        for channel in channels:
+            channel.close()
+
+
+def _stream_metadata(metadata: Metadata) -> tuple[tuple[str, str], ...]:
+    # "hasleader" asks etcd to end the stream when its member loses the leader (e.g. it
+    # is partitioned away), instead of leaving us on a member that will never send
+    # another event or renew a lease; we then fail over like on any broken stream.
+    return (*(metadata or ()), ("hasleader", "true"))
+
+
+class _Connection:
+    """What every etcd call of a client shares: endpoint ring, channels, auth token.
+
+    :class:`EtcdClient` builds on it; its watch and keep-alive threads use these parts
+    directly. ``_unary`` runs one RPC with failover, token refresh and error translation.
+    """
+
+    def __init__(
+        self,
+        config: EtcdConfig,
+        *,
+        clock: Callable[[], float],
+        sleep: Callable[[float], None] | None,
+        rng: random.Random | None,
+    ) -> None:
+        self._config = config
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._closed = threading.Event()
+        self._sleep = sleep or self._wait
+        self._ring = _Ring(config.endpoints, self._rng.randrange(len(config.endpoints)))
+        self._channels = _Channels(config)
+        self._auth_lock = threading.Lock()
+        self._token: str | None = None  # "" once etcd said auth is not enabled
+
+    def _wait(self, seconds: float) -> None:
+        # A wait that close() ends early, so a closing client does not sit out a backoff.
+        self._closed.wait(seconds)
+
+    @property
+    def config(self) -> EtcdConfig:
+        return self._config
+
+    @property
+    def current_endpoint(self) -> str:
+        """The endpoint new calls and streams go to first (changes on failover)."""
+        return self._config.endpoints[self._ring.current()]
+
+    # -- plumbing ----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed.is_set():
+            raise EtcdConnectionError("the etcd client is closed; create a new one")
+
+    def _failover(self, what: str, attempt: Callable[[int, float], T], budget: float) -> T:
+        return run_with_failover(
+            attempt,
+            self._ring,
+            what=what,
+            request_timeout=self._config.request_timeout,
+            budget=budget,
+            clock=self._clock,
+            sleep=self._sleep,
+            rng=self._rng,
+        )
+
+    def _metadata(self, budget: float | None = None) -> Metadata:
+        """The token metadata for a call, authenticating first if we have none."""
+        if self._config.user is None:
+            return None
+        with self._auth_lock:
+            if self._token is None:
+                self._token = self._authenticate(budget or self._config.retry_budget)
+            token = self._token
+        return (("token", token),) if token else None
+
+    def _authenticate(self, budget: float) -> str:
+        request = etcdrpc.AuthenticateRequest(
+            name=self._config.user, password=self._config.password
+        )
+
+        def attempt(index: int, timeout: float) -> str:
+            stubs = self._channels.stubs(index)
+            return str(stubs.auth.Authenticate(request, timeout=timeout).token)
+
+        try:
+            return self._failover("Authenticate", attempt, budget)
+        except grpc.RpcError as exc:
+            code, details = _status(exc)
+            kind = classify_status(code, details)
+            if kind == AUTH_DISABLED:
+                log.info("etcd auth is not enabled; user %r is not needed", self._config.user)
+                return ""
+            if kind in (AUTH_FAILED, AUTH_REQUIRED):
+                raise EtcdAuthError(
+                    f"etcd rejected the credentials of user {self._config.user!r} "
+                    f"({details}); check the user and password settings"
+                ) from exc
+            raise EtcdConnectionError(
+                f"etcd refused Authenticate for user {self._config.user!r}: "
+                f"{_code_name(code)}: {details}"
+            ) from exc
+
+    def _invalidate_token(self, used: Metadata) -> None:
+        """Forget the token ``used`` was built from (unless another thread already did)."""
+        with self._auth_lock:
+            if used is not None and self._token == used[0][1]:
+                self._token = None
+
+    def _unary(
+        self,
+        what: str,
+        call: Callable[[_Stubs, float, Metadata], T],
+        *,
+        key: bytes | None = None,
+        budget: float | None = None,
+    ) -> T:
+        """One unary RPC with failover, token refresh and error translation."""
+        self._check_open()
+        reauths = 0
+        while True:
+            metadata = self._metadata()
+
+            def attempt(index: int, timeout: float, metadata: Metadata = metadata) -> T:
+                return call(self._channels.stubs(index), timeout, metadata)
+
+            try:
+                return self._failover(what, attempt, budget or self._config.retry_budget)
+            except grpc.RpcError as exc:
+                code, details = _status(exc)
+                kind = classify_status(code, details)
+                if kind == REAUTH and metadata is not None and reauths < 2:
+                    reauths += 1
+                    self._invalidate_token(metadata)
+                    continue
+                raise self._translate(what, key, code, details) from exc
+            except ValueError as exc:  # grpc's "Cannot invoke RPC on closed channel!"
+                self._check_open()
+                raise EtcdConnectionError(f"etcd call {what} failed: {exc}") from exc
+
+    def _translate(self, what: str, key: bytes | None, code: Any, details: str) -> Exception:
+        kind = classify_status(code, details)
+        on_key = f" on key {key!r}" if key is not None else ""
+        if kind == PERMISSION:
+            return EtcdAuthError(
+                f"etcd user {self._config.user!r} is not permitted to {what}{on_key} "
+                f"({details}); grant the user's role readwrite on the key prefix"
+            )
+        if kind in (AUTH_REQUIRED, AUTH_FAILED, REAUTH):
+            return EtcdAuthError(
+                f"etcd refused {what}{on_key}: {details}; etcd has auth enabled: "
+                "set the user and password settings"
+            )
+        if code == grpc.StatusCode.CANCELLED and self._closed.is_set():
+            return EtcdConnectionError(f"the etcd client was closed during {what}{on_key}")
+        return EtcdConnectionError(f"etcd refused {what}{on_key}: {_code_name(code)}: {details}")
