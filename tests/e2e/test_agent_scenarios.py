@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 from collections import Counter
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +170,16 @@ def test_unreachable_etcd_fails_after_bounded_retries_naming_endpoints(
     assert not (tmp_path / "report.jsonl").exists()
 
 
+def _log_time(agent: AgentProc, pattern: str) -> float:
+    """When ``agent`` first logged a line matching ``pattern`` (seconds since the epoch;
+    the agent logs local time, as does this process)."""
+    for line in agent.output().splitlines():
+        if line.startswith("[20") and re.search(pattern, line):
+            stamp = datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f")
+            return stamp.timestamp()
+    raise AssertionError(f"{agent.name} never logged {pattern!r}:\n{agent.output()[-3000:]}")
+
+
 def _pid_owner(agents: Agents, worker_pid: int) -> AgentProc:
     for agent in agents.procs:
         if worker_pid in descendants(agent.pid):
@@ -187,7 +198,7 @@ def test_a_third_agent_scales_the_job_up_without_counting_a_restart(
     count, resumed from the checkpoint, finished."""
     report = tmp_path / "report.jsonl"
     conf = ["--nnodes=1:4", "--nproc-per-node=2", "--rdzv-conf=last_call_timeout=5"]
-    script = _script(tmp_path, "--sleep-per-step", "0.1", epochs=14)
+    script = _script(tmp_path, "--sleep-per-step", "0.15", epochs=16)
     agents.start("a", conf, script)
     agents.start("b", conf, script)
     wait_for("a world of 4", lambda: len(_world(report, 4)) == 4, STARTED, diagnose=agents.logs)
@@ -201,7 +212,7 @@ def test_a_third_agent_scales_the_job_up_without_counting_a_restart(
     assert {r["restart_count"] for r in read_report(report)} == {0}, read_report(report)
     assert min(r["start_epoch"] for r in six) > 0, "the world of 6 did not resume"
     assert len({r["start_epoch"] for r in six}) == 1, six
-    assert re.search(r"epoch 14/14: loss \S+ \(world size 6\)", agents.logs()), agents.logs()
+    assert re.search(r"epoch 16/16: loss \S+ \(world size 6\)", agents.logs()), agents.logs()
     assert agents.leftovers() == []
 
 
@@ -253,11 +264,15 @@ def test_losing_a_node_restarts_the_others_within_the_lease_ttl(
         diagnose=agents.logs,
     )
     resumed = _world(report, 2, after=killed_at)
+    survivors = [a for a in agents.procs if a is not victim]
+    noticed = min(_log_time(a, "membership changed|worker group FAILED") for a in survivors)
+    formed = max(_log_time(a, "attempt 1: round complete") for a in survivors)
     first_up = min(r["time"] for r in resumed) - killed_at
     all_up = max(r["time"] for r in resumed) - killed_at
     print(
-        f"scenario 4: lease_ttl={ttl} s: SIGKILL -> first survivor worker running "
-        f"{first_up:.2f} s, both running {all_up:.2f} s"
+        f"scenario 4: lease_ttl={ttl} s; from SIGKILL: a survivor restarts "
+        f"{noticed - killed_at:.2f} s, new round complete {formed - killed_at:.2f} s, first "
+        f"survivor worker running {first_up:.2f} s, both running {all_up:.2f} s"
     )
     assert all_up < ttl + 15, f"{all_up:.1f} s from SIGKILL to a new round, lease TTL {ttl} s"
     assert _ranks_ok(resumed, 2), resumed
@@ -320,11 +335,17 @@ def test_sigterm_makes_an_agent_leave_and_the_others_carry_on(
     workers = descendants(victim.pid)
     stopped_at = time.time()
     victim.proc.send_signal(signal.SIGTERM)
-    assert victim.wait(grace + 30) == 128 + signal.SIGTERM, victim.output()
+    wait_for(
+        f"the workers {workers} to end",
+        lambda: not [pid for pid in workers if alive(pid)],
+        grace,
+        diagnose=agents.logs,
+    )
+    assert victim.wait(30) == 128 + signal.SIGTERM, victim.output()
     took = time.time() - stopped_at
+    # The lease TTL is 30 s: a key gone now was revoked by leave(), not expired.
     assert _node_keys(etcd1, agents.run_id) == 2, "the stopped node's key is still there"
-    assert not [pid for pid in workers if alive(pid)], "workers outlived their agent"
-    assert took < grace + 15, f"the agent took {took:.1f} s to stop"
+    print(f"scenario 6: SIGTERM -> agent exited, workers gone, key revoked: {took:.2f} s")
     wait_for(
         "the others' new round",
         lambda: len(_world(report, 2, after=stopped_at)) == 2,
