@@ -175,6 +175,7 @@ class CoordinatorDuty:
         self.is_leader = True
         watch = self._watch_nodes()
         deadline: float | None = None
+        deadline_round = -1
         try:
             while not self._stop.is_set():
                 current = self._membership()
@@ -187,6 +188,10 @@ class CoordinatorDuty:
                 with self._nodes_lock:
                     nodes = dict(self._nodes)
                 now = self._clock()
+                if deadline_round != state.round:
+                    # Another coordinator moved the run on: a last call belongs to the round
+                    # it was started for.
+                    deadline, deadline_round = None, state.round
                 decision = decide_coordinator(state, nodes, self._limits, now, deadline)
                 deadline = decision.last_call_deadline
                 if decision.actions:

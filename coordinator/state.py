@@ -10,6 +10,7 @@ that is not valid JSON of our schema, or has a newer ``schema_version``, raises
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from google.protobuf import json_format
@@ -95,10 +96,10 @@ class NodeInfo:
 
 
 def _to_json(message: Message) -> bytes:
-    text: str = json_format.MessageToJson(
-        message, preserving_proto_field_name=True, indent=None, sort_keys=False
-    )
-    return text.encode()
+    # Compact separators: the state of a very large run must stay under etcd's 1.5 MiB
+    # request limit; etcdctl output stays readable (one JSON object per value).
+    fields = json_format.MessageToDict(message, preserving_proto_field_name=True)
+    return json.dumps(fields, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def _parse(key: str, raw: bytes, message: Message) -> None:
@@ -144,8 +145,9 @@ def decode_state(key: str, raw: bytes) -> RdzvState:
     if ranks != list(range(len(ranks))):
         raise CorruptValueError(key, f"participant ranks {ranks} are not 0..{len(ranks) - 1}")
     ids = [p.node_id for p in msg.participants]
-    if len(set(ids)) != len(ids):
-        raise CorruptValueError(key, "a node appears twice among the participants")
+    twice = sorted({i for i in ids if ids.count(i) > 1}) if len(set(ids)) != len(ids) else []
+    if twice:
+        raise CorruptValueError(key, f"node {twice[0]!r} appears twice among the participants")
     if msg.round < 0:
         raise CorruptValueError(key, f"negative round {msg.round}")
     return RdzvState(

@@ -228,12 +228,6 @@ def test_duplicate_participant_is_refused() -> None:
     assert info.value.key == KEY
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="decode_state's message for a duplicate participant ('a node appears twice among "
-    "the participants') does not name the node id, against the rule that messages name the "
-    "offending value",
-)
 def test_duplicate_participant_message_names_the_node() -> None:
     with pytest.raises(CorruptValueError) as info:
         decode_state(KEY, _DUPLICATE)
