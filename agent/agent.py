@@ -179,6 +179,10 @@ class Agent:
             if code is None:
                 signum = self._stop_signal or signal.SIGTERM
                 log.warning("%s: stopping workers on signal %d", self._ctx(), signum)
+                # Leave first (ours: revoke the lease): the other nodes restart at once for
+                # a membership change, not counted, instead of seeing their collectives
+                # fail when our workers go (a counted restart) and only then our key.
+                self._leave()
                 # Pass the signal on, as torch does: a script may treat SIGINT apart.
                 self._stop_group(signal.Signals(signum))
                 return signal_exit_code(signum)
@@ -263,6 +267,15 @@ class Agent:
             self._stop_group()
             if not self._start_round():
                 return None
+
+    def _leave(self) -> None:
+        leave: Callable[[], None] | None = getattr(self._handler, "leave", None)
+        if leave is None:
+            return
+        try:
+            leave()
+        except Exception:
+            log.exception("%s: could not leave the rendezvous", self._ctx())
 
     def _closed_by_another(self) -> bool:
         # Only a handler that pushes events (ours) answers is_closed() from memory;
