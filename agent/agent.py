@@ -26,7 +26,7 @@ from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHand
 from agent.config import LaunchConfig
 from agent.errorfile import Failure, format_report, read_failure, root_cause
 from agent.logs import LogSpec, RunLogDir, console_prefix, plan_attempt
-from agent.policy import Step, WorkerState, next_step
+from agent.policy import Step, WorkerState, next_step, restart_refunded
 from agent.ranks import RoleInfo, Store, exchange_ranks, publish_master
 from agent.workers import (
     GroupInfo,
@@ -92,6 +92,9 @@ class Agent:
         self._stop_signal: int | None = None
         self._blocking = False
         self._restarts_left = config.max_restarts
+        # Group size of the round whose worker failure was just counted, until the next
+        # round forms and shows whether a node went away (see restart_refunded).
+        self._charged_group_size: int | None = None
         self._attempt = -1
         self._group_rank = -1
         self._group_world_size = 0
@@ -251,6 +254,7 @@ class Agent:
             if step is Step.RESTART_COUNTED:
                 self._collect_failures()
                 self._restarts_left -= 1
+                self._charged_group_size = self._group_world_size
                 first = root_cause(self._failures) if self._failures else None
                 log.warning(
                     "%s: worker group %s (root cause: rank %s: %s); restarting, %d of %d "
@@ -267,6 +271,21 @@ class Agent:
             self._stop_group()
             if not self._start_round():
                 return None
+
+    def _refund_restart(self, group_world_size: int) -> None:
+        charged, self._charged_group_size = self._charged_group_size, None
+        if charged is None or not restart_refunded(charged, group_world_size):
+            return
+        self._restarts_left += 1
+        log.info(
+            "%s: the group shrank from %d to %d nodes: the worker failure followed a node's "
+            "departure, so that restart is not counted (%d of %d restarts left)",
+            self._ctx(),
+            charged,
+            group_world_size,
+            self._restarts_left,
+            self._config.max_restarts,
+        )
 
     def _leave(self) -> None:
         leave: Callable[[], None] | None = getattr(self._handler, "leave", None)
@@ -365,6 +384,7 @@ class Agent:
             info = self._handler.next_rendezvous()
             store, group_rank, group_world_size = info.store, info.rank, info.world_size
             self._store, self._group_rank = store, group_rank
+            self._refund_restart(group_world_size)
             self._group_world_size = group_world_size
             assignment = exchange_ranks(
                 store, RoleInfo(config.role, group_rank, config.nproc_per_node), group_world_size

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["Step", "WorkerState", "next_step"]
+__all__ = ["Step", "WorkerState", "next_step", "restart_refunded"]
 
 
 class WorkerState(str, Enum):
@@ -109,3 +109,25 @@ def next_step(group_state: WorkerState, restarts_left: int, membership_changed: 
     if group_state is WorkerState.UNKNOWN:
         return Step.FAIL
     return Step.RESTART_UNCOUNTED if membership_changed else Step.CONTINUE
+
+
+def restart_refunded(failed_group_size: int, next_group_size: int) -> bool:
+    """Whether a counted restart is given back once the next round has formed.
+
+    A node that dies (or is cut off) breaks its peers' collectives at once, so their
+    workers fail and the restart is counted, while the rendezvous learns of the loss only
+    when the node's lease ends, a TTL later. When the round after the failure has fewer
+    nodes than the round the workers failed in, a node went away and the failure is put
+    down to that membership change, which does not count (DESIGN §5). A genuine failure
+    that happens to coincide with a departure gets one free restart; torch counts both.
+
+    Args:
+        failed_group_size: nodes in the round whose workers failed.
+        next_group_size: nodes in the round that formed after the failure.
+
+    Raises:
+        ValueError: a size is below 1.
+    """
+    if failed_group_size < 1 or next_group_size < 1:
+        raise ValueError(f"group sizes must be >= 1, got {failed_group_size} and {next_group_size}")
+    return next_group_size < failed_group_size

@@ -247,7 +247,7 @@ def test_losing_a_node_restarts_the_others_within_the_lease_ttl(
     ttl = 3
     report = tmp_path / "report.jsonl"
     conf = [
-        "--nnodes=2:3", "--nproc-per-node=1", "--max-restarts=3",
+        "--nnodes=2:3", "--nproc-per-node=1", "--max-restarts=1",
         f"--rdzv-conf=lease_ttl={ttl},last_call_timeout=5",
     ]  # fmt: skip
     script = _script(tmp_path, "--sleep-per-step", "0.1", epochs=12)
@@ -276,6 +276,12 @@ def test_losing_a_node_restarts_the_others_within_the_lease_ttl(
     )
     assert all_up < ttl + 15, f"{all_up:.1f} s from SIGKILL to a new round, lease TTL {ttl} s"
     assert _ranks_ok(resumed, 2), resumed
+    # The survivors' workers may fail on the broken collectives before the lease ends
+    # (a counted restart, given back when the group turns out smaller) or be stopped for
+    # the membership change first: either way a node loss costs no restart.
+    assert {r["restart_count"] for r in resumed} == {0}, resumed
+    how = ["refunded" if "not counted (" in a.output() else "uncounted" for a in survivors]
+    print(f"scenario 4: survivors' restarts: {how}")
     for agent in agents.procs:
         if agent is not victim:
             assert agent.wait(JOB) == 0, agents.logs()
