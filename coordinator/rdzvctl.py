@@ -14,13 +14,14 @@ This module connects them and maps errors to exit codes::
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
@@ -48,7 +49,7 @@ from coordinator.rdzvctl_format import (
 )
 from coordinator.rdzvctl_model import RunSnapshot, list_runs, phase, read_run
 from coordinator.rdzvctl_ops import GcResult, close_run, collect_run, gc_verdict
-from coordinator.rdzvctl_watch import Change, follow
+from coordinator.rdzvctl_watch import Change, Inbox, follow
 
 __all__ = ["main", "run_command"]
 
@@ -201,8 +202,22 @@ def _watch(client: EtcdClient, opts: Options, out: _Out) -> int:
         out.out.write(text + "\n")
         out.out.flush()
 
-    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a watch ends
-        follow(client, keys, emit, count=opts.count, timeout=opts.timeout, on_start=on_start)
+    inbox = Inbox()
+    installed = threading.current_thread() is threading.main_thread()
+    previous: Any = signal.SIG_DFL
+    if installed:
+        # Ctrl-C is how a watch ends. A KeyboardInterrupt raised at a random point could
+        # land inside the etcd client's thread start-up or shutdown; a handler that only
+        # queues a stop ends the loop at its next wake-up instead.
+        previous = signal.signal(signal.SIGINT, lambda _sig, _frame: inbox.stop())
+    try:
+        follow(
+            client, keys, emit,
+            count=opts.count, timeout=opts.timeout, on_start=on_start, inbox=inbox,
+        )  # fmt: skip
+    finally:
+        if installed:
+            signal.signal(signal.SIGINT, previous)
     return EXIT_OK
 
 

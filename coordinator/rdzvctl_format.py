@@ -123,7 +123,7 @@ def _state_line(snapshot: RunSnapshot, now_ms: int, tz: datetime.tzinfo | None) 
             f"round {state.round} completed {_when(state.completed_at_unix_ms, now_ms, tz)}"
         )
         if state.written_by:
-            parts.append(f"by {state.written_by}")
+            parts.append(f"state last written by {state.written_by}")
     else:
         parts.append("no round completed yet")
     joiners = joining(snapshot)

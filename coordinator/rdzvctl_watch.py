@@ -22,7 +22,7 @@ from coordinator.keys import RunKeys
 from coordinator.rdzvctl_model import RunSnapshot, decode_nodes, read_run
 from coordinator.state import NodeInfo, RdzvState, decode_state
 
-__all__ = ["Change", "Tracker", "diff_states", "follow"]
+__all__ = ["Change", "Inbox", "Tracker", "diff_states", "follow"]
 
 
 @dataclass(frozen=True)
@@ -209,6 +209,35 @@ class Tracker:
         return out
 
 
+class _Stop:
+    """The item :meth:`Inbox.stop` queues."""
+
+
+class Inbox:
+    """What the watch thread hands to :func:`follow`: events, a compaction, an error.
+
+    :meth:`stop` may be called from a signal handler (``SimpleQueue.put`` is reentrant):
+    rdzvctl ends a watch on Ctrl-C this way instead of letting KeyboardInterrupt land in
+    the middle of the etcd client's thread handling.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[list[WatchEvent] | int | Exception | _Stop] = (
+            queue.SimpleQueue()
+        )
+
+    def put(self, item: list[WatchEvent] | int | Exception) -> None:
+        self._queue.put(item)
+
+    def stop(self) -> None:
+        """Make :func:`follow` return at its next wake-up."""
+        self._queue.put(_Stop())
+
+    def get(self, timeout: float | None) -> list[WatchEvent] | int | Exception | _Stop:
+        """The next item; raises ``queue.Empty`` after ``timeout`` seconds."""
+        return self._queue.get(timeout=timeout)
+
+
 def follow(
     client: EtcdClient,
     keys: RunKeys,
@@ -217,11 +246,13 @@ def follow(
     count: int | None = None,
     timeout: float | None = None,
     on_start: Callable[[RunSnapshot], None] | None = None,
+    inbox: Inbox | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> int:
-    """Print the run's changes through ``emit`` until ``count`` changes or ``timeout`` s.
+    """Print the run's changes through ``emit`` until ``count`` changes, ``timeout`` s, or
+    ``inbox.stop()``.
 
-    Blocks on the watch's events (no polling); Ctrl-C raises KeyboardInterrupt as usual.
+    Blocks on the watch's events (no polling).
 
     Returns:
         How many changes were emitted.
@@ -231,8 +262,8 @@ def follow(
             (e.g. no permission).
     """
     # The watch thread only queues what it gets (its callbacks must not block); this
-    # thread does the reading and printing. An int is a compaction, an Exception the end.
-    inbox: queue.SimpleQueue[list[WatchEvent] | int | Exception] = queue.SimpleQueue()
+    # thread does the reading and printing.
+    inbox = inbox or Inbox()
     deadline = None if timeout is None else clock() + timeout
     snapshot = read_run(client, keys)
     if on_start is not None:
@@ -256,6 +287,8 @@ def follow(
                 try:
                     item = inbox.get(timeout=left)
                 except queue.Empty:
+                    return emitted
+                if isinstance(item, _Stop):
                     return emitted
                 if isinstance(item, Exception):
                     raise item

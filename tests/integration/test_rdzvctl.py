@@ -281,7 +281,8 @@ def test_watch_ends_with_exit_0_on_ctrl_c(etcd1: EtcdCluster, run_id: str) -> No
         header = proc.stderr.readline()  # blocks until the watch is running
         assert header.startswith(f"rdzvctl: watching run {run_id} from etcd revision ")
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
+        code = proc.wait(30)
+        assert code == 0, proc.communicate()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -257,7 +257,8 @@ def test_status_lines() -> None:
     lines = status_lines(snap(state, nodes, store=6), NOW, UTC)
     assert lines == [
         "run:             demo (key prefix /etcd-elastic, etcd revision 40)",
-        "state:           complete, round 1 completed 2026-11-20 14:02:11 (2m05s ago), by a-1-0",
+        "state:           complete, round 1 completed 2026-11-20 14:02:11 (2m05s ago), "
+        "state last written by a-1-0",
         "closed:          no",
         "master:          10.0.0.1:29500",
         "participants:    3 in round 1",
