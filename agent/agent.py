@@ -5,11 +5,18 @@ Like torch's ``LocalElasticAgent`` without its fixed sleep: the loop blocks on o
 the rendezvous reports a change (``handler.subscribe``, when the handler has it), or a
 stop is requested; ``monitor_interval`` only bounds the wait. Each wake-up is turned into
 a step by the pure :func:`agent.policy.next_step`.
+
+Where it departs from torch's agent: a node that gives up closes the run with its root
+cause as the reason, before stopping its workers, and a node whose run is closed by
+another stops its workers at once and prints that reason in one line; a node stopped by a
+signal leaves the rendezvous before stopping its workers; a rendezvous error (closed,
+etcd unreachable, join timeout) ends the agent with one ``etcdrun: error:`` line and
+never closes the run; a counted restart is given back when the next round has fewer
+nodes (:func:`agent.policy.restart_refunded`).
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import signal
@@ -17,13 +24,13 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Mapping
-from datetime import timedelta
 from types import FrameType
 from typing import TextIO
 
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler
 
 from agent.config import LaunchConfig
+from agent.ending import close_reason, close_run, exit_barrier, leave
 from agent.errorfile import Failure, format_report, read_failure, root_cause
 from agent.logs import LogSpec, RunLogDir, console_prefix, plan_attempt
 from agent.policy import Step, WorkerState, next_step, restart_refunded
@@ -41,8 +48,6 @@ from agent.workers import (
 __all__ = ["Agent", "Interrupted", "signal_exit_code"]
 
 log = logging.getLogger(__name__)
-
-_EXIT_BARRIER = "etcd_elastic/exit_barrier/"
 
 
 def signal_exit_code(signum: int) -> int:
@@ -185,7 +190,7 @@ class Agent:
                 # Leave first (ours: revoke the lease): the other nodes restart at once for
                 # a membership change, not counted, instead of seeing their collectives
                 # fail when our workers go (a counted restart) and only then our key.
-                self._leave()
+                leave(self._handler, self._ctx())
                 # Pass the signal on, as torch does: a script may treat SIGINT apart.
                 self._stop_group(signal.Signals(signum))
                 return signal_exit_code(signum)
@@ -234,7 +239,15 @@ class Agent:
                 # peers that are gone (up to a collective's timeout), and failed ones most
                 # likely failed because those peers went. The next rendezvous raises the
                 # handler's closed error, which carries the closer's reason (its root cause).
-                log.warning("%s: the run was closed by another node; stopping", self._ctx())
+                self._collect_failures()
+                first = root_cause(self._failures) if self._failures else None
+                log.warning(
+                    "%s: the run was closed by another node; stopping the workers%s",
+                    self._ctx(),
+                    f" (one had failed: rank {first.global_rank}: {first.message})"
+                    if state is WorkerState.FAILED and first is not None
+                    else "",
+                )
                 self._stop_group()
                 if not self._start_round():
                     return None
@@ -246,7 +259,7 @@ class Agent:
             if step is Step.SUCCEED:
                 log.info("%s: all workers succeeded; waiting for the other nodes", self._ctx())
                 self._exit_barrier()
-                self._close_run("the job finished: every worker succeeded")
+                close_run(self._handler, "the job finished: every worker succeeded", self._ctx())
                 return 0
             if step is Step.FAIL:
                 self._collect_failures()
@@ -287,15 +300,6 @@ class Agent:
             self._config.max_restarts,
         )
 
-    def _leave(self) -> None:
-        leave: Callable[[], None] | None = getattr(self._handler, "leave", None)
-        if leave is None:
-            return
-        try:
-            leave()
-        except Exception:
-            log.exception("%s: could not leave the rendezvous", self._ctx())
-
     def _closed_by_another(self) -> bool:
         # Only a handler that pushes events (ours) answers is_closed() from memory;
         # torch's c10d handler would make a store round trip at every monitor tick.
@@ -307,7 +311,9 @@ class Agent:
         if close:
             # Close before stopping: the other nodes learn the root cause (and stop their
             # workers) while ours are still being stopped.
-            self._close_run(self._close_reason(reason))
+            who = f"node {self._group_rank} ({self._hostname})"
+            why = close_reason(who, self._failures, self.restart_count, reason)
+            close_run(self._handler, why, self._ctx())
         self._stop_group()
         parts = [reason] if reason else []
         if self._failures:
@@ -319,31 +325,6 @@ class Agent:
         err.write(self._report + "\n")
         err.flush()
         return 1
-
-    def _close_run(self, reason: str | None) -> None:
-        """Close the run for every node (after success, or when giving up); a failure to
-        close is logged, not fatal: the workers' outcome decides the exit code."""
-        set_closed: Callable[..., None] = self._handler.set_closed
-        try:
-            # Ours takes the reason and shows it to every node that finds the run closed
-            # (torch's handlers take none).
-            if reason is not None and "reason" in inspect.signature(set_closed).parameters:
-                set_closed(reason=reason)
-            else:
-                set_closed()
-        except Exception:
-            log.exception("%s: could not close the rendezvous", self._ctx())
-
-    def _close_reason(self, reason: str | None) -> str:
-        """One line for the other nodes: who gave up, and the root cause."""
-        who = f"node {self._group_rank} ({self._hostname}) gave up"
-        if self._failures:
-            first = root_cause(self._failures)
-            return (
-                f"{who} after {self.restart_count} restarts: rank {first.global_rank} "
-                f"failed: {first.message}"
-            )
-        return f"{who}: {reason}" if reason else who
 
     def _name(self) -> str:
         return self._config.entrypoint
@@ -462,25 +443,13 @@ class Agent:
         return True
 
     def _exit_barrier(self) -> None:
-        """Wait (bounded) until every node of the round reached success, like torch's
-        ``store_util.barrier``: a counter, and a flag set by the last to arrive."""
         store = self._store
         if store is None:
             return
-        timeout = self._config.exit_barrier_timeout
         self._blocking = True
         try:
-            arrived = store.add(f"{_EXIT_BARRIER}count", 1)
-            if arrived >= self._group_world_size:
-                store.set(f"{_EXIT_BARRIER}done", "1")
-            store.wait([f"{_EXIT_BARRIER}done"], timedelta(seconds=timeout))
-            log.info("%s: every node finished", self._ctx())
-        except Exception as exc:
-            log.warning(
-                "%s: exit barrier: not every node finished within %.0fs (%s); closing anyway",
-                self._ctx(),
-                timeout,
-                exc,
+            exit_barrier(
+                store, self._group_world_size, self._config.exit_barrier_timeout, self._ctx()
             )
         finally:
             self._blocking = False

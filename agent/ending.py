@@ -1,0 +1,96 @@
+"""How a node ends its part in a run: the exit barrier, closing the run, leaving it.
+
+Kept apart from the loop in :mod:`agent.agent`; each function takes the handler or store
+it acts on and a context string for its log lines (run, node, attempt).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+
+from torch.distributed.elastic.rendezvous import RendezvousHandler
+
+from agent.errorfile import Failure, root_cause
+from agent.ranks import Store
+
+__all__ = ["EXIT_BARRIER", "close_reason", "close_run", "exit_barrier", "leave"]
+
+log = logging.getLogger(__name__)
+
+EXIT_BARRIER = "etcd_elastic/exit_barrier/"
+"""Prefix of the exit barrier's keys in the round's store."""
+
+
+def exit_barrier(store: Store, group_world_size: int, timeout: float, ctx: str) -> bool:
+    """Wait (bounded) until every node of the round reached success, like torch's
+    ``store_util.barrier``: a counter, and a flag set by the last to arrive.
+
+    Returns:
+        Whether every node arrived within ``timeout`` seconds; a store error or the
+        timeout is logged as a warning (the node closes the run anyway).
+    """
+    try:
+        arrived = store.add(f"{EXIT_BARRIER}count", 1)
+        if arrived >= group_world_size:
+            store.set(f"{EXIT_BARRIER}done", "1")
+        store.wait([f"{EXIT_BARRIER}done"], timedelta(seconds=timeout))
+    except Exception as exc:
+        log.warning(
+            "%s: exit barrier: not every node finished within %.0fs (%s); closing anyway",
+            ctx,
+            timeout,
+            exc,
+        )
+        return False
+    log.info("%s: every node finished", ctx)
+    return True
+
+
+def close_reason(
+    who: str, failures: Mapping[int, Failure], restarts_used: int, reason: str | None
+) -> str:
+    """One line for the other nodes, saying who gave up and the root cause.
+
+    Args:
+        who: the node, e.g. ``"node 1 (host)"``.
+        failures: global rank -> failure of the last attempt (may be empty).
+        restarts_used: counted restarts this node used.
+        reason: why it gave up when no worker failed (e.g. a worker could not start).
+    """
+    if failures:
+        first = root_cause(failures)
+        plural = "" if restarts_used == 1 else "s"
+        return (
+            f"{who} gave up after {restarts_used} restart{plural}: rank {first.global_rank} "
+            f"failed: {first.message}"
+        )
+    return f"{who} gave up: {reason}" if reason else f"{who} gave up"
+
+
+def close_run(handler: RendezvousHandler, reason: str | None, ctx: str) -> None:
+    """Close the run for every node; a failure to close is logged, not raised (the
+    workers' outcome decides the exit code). Our handler takes the reason and shows it
+    to every node that finds the run closed; torch's take none."""
+    set_closed: Callable[..., None] = handler.set_closed
+    try:
+        if reason is not None and "reason" in inspect.signature(set_closed).parameters:
+            set_closed(reason=reason)
+        else:
+            set_closed()
+    except Exception:
+        log.exception("%s: could not close the rendezvous", ctx)
+
+
+def leave(handler: RendezvousHandler, ctx: str) -> None:
+    """Leave the run without closing it, when the handler can (ours: ``leave()`` revokes
+    the lease, so the others see this node go at once). Errors are logged."""
+    method: Callable[[], None] | None = getattr(handler, "leave", None)
+    if method is None:
+        return
+    try:
+        method()
+    except Exception:
+        log.exception("%s: could not leave the rendezvous", ctx)
