@@ -40,6 +40,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStoreInfo,
 )
 
+from coordinator.closing import close_run
 from coordinator.duty import CoordinatorDuty, Membership
 from coordinator.errors import JoinTimeoutError, RendezvousError, RunClosedError
 from coordinator.etcd_client import EtcdClient
@@ -47,9 +48,9 @@ from coordinator.etcd_server import free_port
 from coordinator.keys import make_node_id
 from coordinator.session import Session
 from coordinator.settings import RendezvousSettings
-from coordinator.state import NodeInfo, RdzvState, encode_node, encode_state
+from coordinator.state import CloseMode, NodeInfo, RdzvState, encode_node
 from coordinator.store import EtcdStore
-from coordinator.transitions import Limits, NodeAction, apply, close, decide_node
+from coordinator.transitions import Limits, NodeAction, decide_node
 from coordinator.view import StateView
 
 __all__ = ["EtcdRendezvousHandler", "create_handler"]
@@ -255,27 +256,43 @@ class EtcdRendezvousHandler(RendezvousHandler):
         state, _ = self._started_view().snapshot()
         return state.closed
 
-    def set_closed(self, reason: str = "closed by an agent") -> None:
+    def set_closed(self, reason: str = "closed by an agent", mode: CloseMode = "finished") -> None:
+        """Close the run for everyone (torch's contract), saying why and how.
+
+        Args:
+            reason: shown to every node that finds the run closed.
+            mode: ``finished`` (all done), ``failed`` (this node gave up: the others stop
+                and exit non-zero) or ``drain`` (finish the current attempt, then exit 0).
+        """
         view = self._started_view()
-        client = self._etcd()
-        deadline = self._clock() + self._settings.close_timeout
-        while True:
-            state, mod_revision = view.snapshot()
-            actions = close(state, reason)
-            if not actions:
-                return
-            new = apply(state, actions, written_by=self.node_id)
-            result = client.put_if_mod_revision(self._keys.state, encode_state(new), mod_revision)
-            if result.succeeded:
-                view.offer_written(new, result.revision)
-                log.info("node %s closed run %s", self.node_id, self._keys.run_id)
-                return
-            view.offer(result.current, result.revision)
-            if self._clock() > deadline:
-                raise RendezvousError(
-                    f"run {self._keys.run_id!r}: could not close within close_timeout="
-                    f"{self._settings.close_timeout:g} s (the state kept changing)"
-                )
+        outcome = close_run(
+            self._etcd(),
+            self._keys.state,
+            reason,
+            mode=mode,
+            written_by=self.node_id,
+            timeout=self._settings.close_timeout,
+            known=view.snapshot(),
+            on_conflict=view.offer,
+            clock=self._clock,
+        )
+        if outcome.changed:
+            view.offer_written(outcome.state, outcome.mod_revision)
+            log.info("node %s closed run %s (%s)", self.node_id, self._keys.run_id, mode)
+
+    @property
+    def close_mode(self) -> CloseMode:
+        """How the run was closed (``unspecified`` while it is open), from the watched view."""
+        with self._lock:
+            view = self._view
+        return view.peek().close_mode if view is not None else "unspecified"
+
+    @property
+    def closed_reason(self) -> str:
+        """Why the run was closed ("" while it is open), from the watched view."""
+        with self._lock:
+            view = self._view
+        return view.peek().closed_reason if view is not None else ""
 
     def num_nodes_waiting(self) -> int:
         with self._lock:

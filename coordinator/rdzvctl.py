@@ -144,7 +144,12 @@ def _close(client: EtcdClient, opts: Options, out: _Out) -> int:
     _require_run(client, keys)
     reason = opts.reason or f"closed by an operator with rdzvctl on {socket.gethostname()}"
     outcome = close_run(
-        client, keys.state, reason, written_by=_operator(), timeout=_CLOSE_TIMEOUT_S
+        client,
+        keys.state,
+        reason,
+        mode="drain",  # agents finish their current attempt, then exit 0
+        written_by=_operator(),
+        timeout=_CLOSE_TIMEOUT_S,
     )
     stored = outcome.state.closed_reason
     if opts.json:

@@ -1,7 +1,7 @@
 """The writes ``rdzvctl`` makes: close a run, and garbage-collect finished or abandoned ones.
 
-:func:`close_run` is the revision-guarded close that any closer can share (the handler's
-``set_closed`` does the same steps from its watched view). :func:`gc_verdict` decides,
+:func:`~coordinator.closing.close_run` is the revision-guarded close every closer shares
+(re-exported here). :func:`gc_verdict` decides,
 purely, whether a run's keys may go; :func:`collect_run` removes them with guarded
 writes. Safety rule of gc: a run with any node key (a live lease) is never touched, and
 node keys are never deleted by gc at all: they go only when their lease ends.
@@ -10,14 +10,13 @@ node keys are never deleted by gc at all: they go only when their lease ends.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from coordinator.errors import RendezvousError
-from coordinator.etcd_client import EtcdClient, KeyValue
+from coordinator.closing import CloseOutcome, close_run
+from coordinator.etcd_client import EtcdClient
 from coordinator.keys import RunKeys
 from coordinator.rdzvctl_model import RunSnapshot
-from coordinator.state import RdzvState, decode_state, encode_state
+from coordinator.state import encode_state
 from coordinator.transitions import apply, close
 
 __all__ = [
@@ -32,82 +31,6 @@ __all__ = [
 
 GC_REASON = "garbage-collected by rdzvctl gc"
 """The closed_reason gc writes while it removes a run that was not closed yet."""
-
-
-@dataclass(frozen=True)
-class CloseOutcome:
-    """What :func:`close_run` left in etcd.
-
-    Attributes:
-        state: the closed state now stored.
-        mod_revision: its mod_revision.
-        changed: False when the run was closed already (nothing was written).
-    """
-
-    state: RdzvState
-    mod_revision: int
-    changed: bool
-
-
-def _decode_current(state_key: bytes, kv: KeyValue | None) -> tuple[RdzvState, int]:
-    if kv is None:
-        return RdzvState(), 0
-    return decode_state(state_key.decode(), kv.value), kv.mod_revision
-
-
-def close_run(
-    client: EtcdClient,
-    state_key: bytes,
-    reason: str,
-    *,
-    written_by: str,
-    timeout: float,
-    known: tuple[RdzvState, int] | None = None,
-    on_conflict: Callable[[KeyValue | None, int], None] | None = None,
-    clock: Callable[[], float] = time.monotonic,
-) -> CloseOutcome:
-    """Close the run whose state is at ``state_key``: compare-and-swap until it sticks.
-
-    Each attempt applies :func:`coordinator.transitions.close` to the state last seen and
-    writes it guarded by that state's mod_revision; a lost race returns the winner's
-    value in the same round trip and the next attempt starts from it. A run whose state
-    key is absent (nothing formed yet) gets a closed state, so late joiners fail at once.
-
-    Args:
-        reason: stored as ``closed_reason`` and shown to every node that finds the run
-            closed.
-        written_by: stored as ``written_by`` (who closed it).
-        timeout: seconds to keep retrying while the state keeps changing.
-        known: the state and mod_revision the caller already holds (saves a read).
-        on_conflict: told of the current value after each lost race (e.g. a watched view).
-        clock: monotonic seconds.
-
-    Raises:
-        CorruptValueError: the state key holds a value we cannot read (names the key).
-        RendezvousError: the state kept changing for ``timeout`` seconds.
-        EtcdConnectionError: etcd did not answer.
-    """
-    deadline = clock() + timeout
-    if known is None:
-        kv, _ = client.get(state_key)
-        known = _decode_current(state_key, kv)
-    state, mod_revision = known
-    while True:
-        actions = close(state, reason)
-        if not actions:
-            return CloseOutcome(state, mod_revision, changed=False)
-        new = apply(state, actions, written_by=written_by)
-        result = client.put_if_mod_revision(state_key, encode_state(new), mod_revision)
-        if result.succeeded:
-            return CloseOutcome(new, result.revision, changed=True)
-        if on_conflict is not None:
-            on_conflict(result.current, result.revision)
-        state, mod_revision = _decode_current(state_key, result.current)
-        if clock() > deadline:
-            raise RendezvousError(
-                f"could not close {state_key.decode()!r} within {timeout:g} s: "
-                "the state kept changing; try again"
-            )
 
 
 @dataclass(frozen=True)
@@ -193,7 +116,12 @@ def collect_run(client: EtcdClient, snapshot: RunSnapshot, *, written_by: str) -
     """
     keys: RunKeys = snapshot.keys
     state = snapshot.effective_state
-    closed = apply(state, close(state, GC_REASON), written_by=written_by)
+    closed = apply(
+        state,
+        close(state, GC_REASON, "finished"),
+        written_by=written_by,
+        now_unix_ms=int(time.time() * 1000),
+    )
     first = client.put_if_mod_revision(
         keys.state,
         encode_state(closed),

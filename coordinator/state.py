@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Literal
 
 from google.protobuf import json_format
 from google.protobuf.message import Message
@@ -21,6 +22,7 @@ from coordinator.generated import rendezvous_pb2 as pb
 
 __all__ = [
     "SCHEMA_VERSION",
+    "CloseMode",
     "NodeInfo",
     "RdzvState",
     "decode_node",
@@ -30,6 +32,24 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
+
+CloseMode = Literal["unspecified", "finished", "failed", "drain"]
+"""Why a run was closed: ``finished`` (every agent done), ``failed`` (an agent gave up: the
+others stop and exit non-zero), ``drain`` (an operator ended it: agents finish their
+current attempt, then exit 0)."""
+
+_CLOSE_MODES: dict[str, int] = {
+    "unspecified": pb.CLOSE_MODE_UNSPECIFIED,
+    "finished": pb.CLOSE_MODE_FINISHED,
+    "failed": pb.CLOSE_MODE_FAILED,
+    "drain": pb.CLOSE_MODE_DRAIN,
+}
+_CLOSE_MODE_NAMES: dict[int, CloseMode] = {
+    pb.CLOSE_MODE_UNSPECIFIED: "unspecified",
+    pb.CLOSE_MODE_FINISHED: "finished",
+    pb.CLOSE_MODE_FAILED: "failed",
+    pb.CLOSE_MODE_DRAIN: "drain",
+}
 
 
 @dataclass(frozen=True)
@@ -59,6 +79,8 @@ class RdzvState:
     master_port: int = 0
     completed_at_unix_ms: int = 0
     written_by: str = ""
+    close_mode: CloseMode = "unspecified"
+    closed_at_unix_ms: int = 0
 
     def rank_of(self, node_id: str) -> int | None:
         """The group rank of ``node_id`` in ``round``, or None if not a participant."""
@@ -98,7 +120,10 @@ class NodeInfo:
 def _to_json(message: Message) -> bytes:
     # Compact separators: the state of a very large run must stay under etcd's 1.5 MiB
     # request limit; etcdctl output stays readable (one JSON object per value).
-    fields = json_format.MessageToDict(message, preserving_proto_field_name=True)
+    # Every field, zero values included, so `etcdctl get` shows e.g. "closed":false.
+    fields = json_format.MessageToDict(
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
     return json.dumps(fields, separators=(",", ":"), ensure_ascii=False).encode()
 
 
@@ -133,6 +158,8 @@ def encode_state(state: RdzvState) -> bytes:
         written_by=state.written_by,
         master_addr=state.master_addr,
         master_port=state.master_port,
+        close_mode=_CLOSE_MODES[state.close_mode],  # type: ignore[arg-type]
+        closed_at_unix_ms=state.closed_at_unix_ms,
     )
     return _to_json(msg)
 
@@ -162,6 +189,8 @@ def decode_state(key: str, raw: bytes) -> RdzvState:
         master_port=msg.master_port,
         completed_at_unix_ms=msg.completed_at_unix_ms,
         written_by=msg.written_by,
+        close_mode=_CLOSE_MODE_NAMES.get(msg.close_mode, "unspecified"),
+        closed_at_unix_ms=msg.closed_at_unix_ms,
     )
 
 

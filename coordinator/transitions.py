@@ -27,7 +27,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from coordinator.state import NodeInfo, RdzvState
+from coordinator.state import CloseMode, NodeInfo, RdzvState
 
 __all__ = [
     "Action",
@@ -116,6 +116,7 @@ class Action:
     master_port: int = 0
     # MARK_RENDEZVOUS_CLOSED only:
     reason: str = ""
+    mode: CloseMode = "unspecified"
 
 
 @dataclass(frozen=True)
@@ -241,7 +242,8 @@ def apply(
 
     Args:
         written_by: recorded in the state for operators.
-        now_unix_ms: wall-clock time recorded at completion (informational only).
+        now_unix_ms: wall-clock time recorded at completion or close (informational only,
+            and gc's measure of age).
     """
     for action in actions:
         kind, ids = action.kind, action.node_ids
@@ -268,12 +270,23 @@ def apply(
                 completed_at_unix_ms=now_unix_ms,
             )
         elif kind is ActionKind.MARK_RENDEZVOUS_CLOSED:
-            state = replace(state, closed=True, closed_reason=action.reason)
+            state = replace(
+                state,
+                closed=True,
+                closed_reason=action.reason,
+                close_mode=action.mode,
+                closed_at_unix_ms=now_unix_ms,
+            )
     return replace(state, written_by=written_by) if written_by else state
 
 
-def close(state: RdzvState, reason: str) -> tuple[Action, ...]:
-    """The actions that close the run (none if it is closed already)."""
+def close(state: RdzvState, reason: str, mode: CloseMode = "finished") -> tuple[Action, ...]:
+    """The actions that close the run (none if it is closed already).
+
+    Args:
+        reason: shown to every node that finds the run closed.
+        mode: what the agents still running should do (see ``CloseMode``).
+    """
     if state.closed:
         return ()
-    return (Action(ActionKind.MARK_RENDEZVOUS_CLOSED, reason=reason),)
+    return (Action(ActionKind.MARK_RENDEZVOUS_CLOSED, reason=reason, mode=mode),)

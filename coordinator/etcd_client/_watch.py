@@ -125,8 +125,11 @@ class _Watcher:
             if self._requests is not None:
                 self._send_create(state, self._requests)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="etcd-watch", daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name="etcd-watch", daemon=True)
+                thread.start()
+                # Recorded only once started: close() must never join an unstarted thread
+                # (a KeyboardInterrupt can land inside start()).
+                self._thread = thread
             self._cond.notify_all()
 
     def cancel(self, state: _WatchState) -> None:
@@ -161,7 +164,11 @@ class _Watcher:
             self._cond.notify_all()
         if call is not None:
             call.cancel()
-        if thread is not None and thread is not threading.current_thread():
+        if (
+            thread is not None
+            and thread.ident is not None
+            and thread is not threading.current_thread()
+        ):
             thread.join()
 
     def _run(self) -> None:

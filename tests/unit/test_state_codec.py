@@ -80,16 +80,23 @@ def test_node_round_trip(node: NodeInfo) -> None:
     assert decode_node(NODE_KEY, encode_node(node)).create_revision == 0
 
 
+def test_zero_values_are_written() -> None:
+    doc = json.loads(encode_state(RdzvState()).decode("utf-8"))
+    assert doc["closed"] is False and doc["round"] == "0" and doc["wait_list"] == []
+    assert doc["close_mode"] == "CLOSE_MODE_UNSPECIFIED"
+
+
 def test_encoded_state_is_readable_json_with_field_names() -> None:
     raw = encode_state(_FULL_STATE)
     doc = json.loads(raw.decode("utf-8"))
     assert doc["schema_version"] == SCHEMA_VERSION == 1
-    # protobuf's JSON mapping writes int64 as a string and omits zero values (rank 0).
+    # protobuf's JSON mapping writes int64 as a string; zero values are written too
+    # (rank 0, "closed": false), so an operator reading etcdctl output sees every field.
     assert doc["round"] == "7"
     assert doc["complete"] is True
     assert doc["closed"] is True
     assert doc["participants"] == [
-        {"node_id": "host-a-100-0"},
+        {"node_id": "host-a-100-0", "rank": 0},
         {"node_id": "host-b-200-0", "rank": 1},
         {"node_id": "hôst-ü-300-1", "rank": 2},
     ]

@@ -311,8 +311,9 @@ APPLY_CASES: list[tuple[str, Action, dict[str, object]]] = [
      redundant=("e",), master_addr="host-d", master_port=7),
      {"round": 4, "participants": ("d", "a"), "wait_list": (), "redundancy_list": ("e",),
       "lost": (), "master_addr": "host-d", "master_port": 7, "completed_at_unix_ms": 99}),
-    ("closed", Action(K.MARK_RENDEZVOUS_CLOSED, reason="training done"),
-     {"closed": True, "closed_reason": "training done"}),
+    ("closed", Action(K.MARK_RENDEZVOUS_CLOSED, reason="training done", mode="drain"),
+     {"closed": True, "closed_reason": "training done", "close_mode": "drain",
+      "closed_at_unix_ms": 99}),
 ]  # fmt: skip
 
 
@@ -344,7 +345,8 @@ def test_apply_records_the_writer_and_applies_in_order() -> None:
 
 def test_close_is_idempotent() -> None:
     actions = close(_BASE, "operator stop")
-    assert actions == (Action(K.MARK_RENDEZVOUS_CLOSED, reason="operator stop"),)
+    assert actions == (Action(K.MARK_RENDEZVOUS_CLOSED, reason="operator stop", mode="finished"),)
+    assert close(_BASE, "ops", "drain")[0].mode == "drain"
     closed = apply(_BASE, actions)
     assert (closed.closed, closed.closed_reason) == (True, "operator stop")
     assert close(closed, "again") == ()
