@@ -60,8 +60,9 @@ def gc_verdict(snapshot: RunSnapshot, now_ms: int, older_than_ms: int) -> GcVerd
     (abandoned), whose last round completed at least ``older_than_ms`` ago, or that never
     completed a round (its age is unknown and nothing in it was ever agreed).
 
-    The age comes from ``completed_at_unix_ms``, the coordinator's wall clock: clocks of
-    the two machines are compared here, so keep the age well above their skew.
+    The age comes from ``closed_at_unix_ms`` (else ``completed_at_unix_ms``), the closer's
+    or coordinator's wall clock: clocks of two machines are compared here, so keep the age
+    well above their skew.
     """
     run_id = snapshot.run_id
     ours = snapshot.store_keys + (1 if snapshot.state_mod_revision else 0)
@@ -82,13 +83,18 @@ def gc_verdict(snapshot: RunSnapshot, now_ms: int, older_than_ms: int) -> GcVerd
     what = f"closed ({state.closed_reason})" if state.closed else "abandoned: no node alive"
     if not snapshot.state_mod_revision:
         what = "never formed: no state and no node alive"
-    completed = state.completed_at_unix_ms
-    if completed <= 0:
+    # The age runs from the last thing that happened: the close, else the last completion.
+    completed, closed_at = state.completed_at_unix_ms, state.closed_at_unix_ms
+    if closed_at > 0 and closed_at >= completed:
+        last, young, old = closed_at, "but it was closed only", "it was closed"
+    elif completed > 0:
+        last, young, old = completed, "but its last round completed only", "last round completed"
+    else:
         return GcVerdict(run_id, True, f"{what}, no round ever completed", ours)
-    age = _age(now_ms, completed)
-    if now_ms - completed < older_than_ms:
-        return keep(f"{what}, but its last round completed only {age} ago")
-    return GcVerdict(run_id, True, f"{what}, last round completed {age} ago", ours)
+    age = _age(now_ms, last)
+    if now_ms - last < older_than_ms:
+        return keep(f"{what}, {young} {age} ago")
+    return GcVerdict(run_id, True, f"{what}, {old} {age} ago", ours)
 
 
 @dataclass(frozen=True)

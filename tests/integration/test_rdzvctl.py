@@ -386,7 +386,12 @@ def test_gc_dry_run_lists_and_gc_removes_only_what_it_should(
     rewrite_state(client, RunKeys(prefix, "live"), completed_at_unix_ms=now_ms - 5 * HOUR_MS)
     old_closed = run("old-closed")
     old_closed[0].shutdown()
-    rewrite_state(client, RunKeys(prefix, "old-closed"), completed_at_unix_ms=now_ms - 3 * HOUR_MS)
+    rewrite_state(
+        client,
+        RunKeys(prefix, "old-closed"),
+        completed_at_unix_ms=now_ms - 4 * HOUR_MS,
+        closed_at_unix_ms=now_ms - 3 * HOUR_MS,
+    )
     young_closed = run("young-closed")
     young_closed[0].shutdown()
     abandoned = run("abandoned")
@@ -405,7 +410,7 @@ def test_gc_dry_run_lists_and_gc_removes_only_what_it_should(
         "abandoned": (True, "abandoned: no node alive, last round completed 2h ago"),
         "live": (False, "2 node(s) alive"),
         "never": (True, "never formed: no state and no node alive, no round ever completed"),
-        "old-closed": (True, "closed (shutdown by an agent), last round completed 3h ago"),
+        "old-closed": (True, "closed (shutdown by an agent), it was closed 3h ago"),
         "young-closed": (False, verdicts["young-closed"][1]),
     }  # fmt: skip
     assert verdicts["corrupt"] == (
@@ -415,7 +420,7 @@ def test_gc_dry_run_lists_and_gc_removes_only_what_it_should(
         False, "only 1 foreign key(s), not written by etcd-elastic: remove them by hand"
     )  # fmt: skip
     assert verdicts["young-closed"][1].startswith(
-        "closed (shutdown by an agent), but its last round completed only "
+        "closed (shutdown by an agent), but it was closed only "
     )
     code, out, _ = ctl(
         capsys, etcd1, "gc", "--older-than", "1h", "--dry-run", "--key-prefix", prefix
