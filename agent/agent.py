@@ -7,8 +7,9 @@ stop is requested; ``monitor_interval`` only bounds the wait. Each wake-up is tu
 a step by the pure :func:`agent.policy.next_step`.
 
 Where it departs from torch's agent: a node that gives up closes the run with its root
-cause as the reason, before stopping its workers, and a node whose run is closed by
-another stops its workers at once and prints that reason in one line; a node stopped by a
+cause as the reason (mode ``failed``), before stopping its workers, and a node whose run
+is closed that way stops its workers at once and prints the reason in one line (an
+operator's ``drain`` close lets the attempt finish); a node stopped by a
 signal leaves the rendezvous before stopping its workers; a rendezvous error (closed,
 etcd unreachable, join timeout) ends the agent with one ``etcdrun: error:`` line and
 never closes the run; a counted restart is given back when the next round has fewer
@@ -30,7 +31,7 @@ from typing import TextIO
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler
 
 from agent.config import LaunchConfig
-from agent.ending import close_reason, close_run, exit_barrier, leave
+from agent.ending import close_reason, close_run, closed_mode, exit_barrier, leave
 from agent.errorfile import Failure, format_report, read_failure, root_cause
 from agent.logs import LogSpec, RunLogDir, console_prefix, plan_attempt
 from agent.policy import Step, WorkerState, next_step, restart_refunded
@@ -234,11 +235,9 @@ class Agent:
                 return None
             group = self._group
             state = group.state() if group is not None else WorkerState.UNKNOWN
-            if state in (WorkerState.HEALTHY, WorkerState.FAILED) and self._closed_by_another():
-                # Nobody will come back to this run: running workers can only wait for
-                # peers that are gone (up to a collective's timeout), and failed ones most
-                # likely failed because those peers went. The next rendezvous raises the
-                # handler's closed error, which carries the closer's reason (its root cause).
+            if self._must_stop_for_closed_run(state):
+                # The next rendezvous raises the handler's closed error, which carries the
+                # closer's reason (its root cause), and the agent ends with that line.
                 self._collect_failures()
                 first = root_cause(self._failures) if self._failures else None
                 log.warning(
@@ -259,7 +258,12 @@ class Agent:
             if step is Step.SUCCEED:
                 log.info("%s: all workers succeeded; waiting for the other nodes", self._ctx())
                 self._exit_barrier()
-                close_run(self._handler, "the job finished: every worker succeeded", self._ctx())
+                close_run(
+                    self._handler,
+                    "the job finished: every worker succeeded",
+                    self._ctx(),
+                    failed=False,
+                )
                 return 0
             if step is Step.FAIL:
                 self._collect_failures()
@@ -300,12 +304,22 @@ class Agent:
             self._config.max_restarts,
         )
 
-    def _closed_by_another(self) -> bool:
-        # Only a handler that pushes events (ours) answers is_closed() from memory;
-        # torch's c10d handler would make a store round trip at every monitor tick.
-        if not self._push_events:
+    def _must_stop_for_closed_run(self, state: WorkerState) -> bool:
+        """Whether another node (or an operator) closed the run in a way that ends
+        this attempt now.
+
+        Closed as ``failed`` (a node gave up): running workers can only wait for peers
+        that are gone, up to a collective's timeout, so they are stopped. Closed as
+        ``finished`` or ``drain`` (an operator's close): the attempt runs to its end and
+        a success still exits 0. Failed workers meet any closed run: no restart is left
+        to make. Only a handler that pushes events (ours) is asked: it answers from
+        memory, where torch's c10d handler would make a store round trip every tick.
+        """
+        if not self._push_events or state not in (WorkerState.HEALTHY, WorkerState.FAILED):
             return False
-        return bool(self._handler.is_closed())
+        if not self._handler.is_closed():
+            return False
+        return state is WorkerState.FAILED or closed_mode(self._handler) == "failed"
 
     def _give_up(self, reason: str | None, *, close: bool = True) -> int:
         if close:
@@ -313,7 +327,7 @@ class Agent:
             # workers) while ours are still being stopped.
             who = f"node {self._group_rank} ({self._hostname})"
             why = close_reason(who, self._failures, self.restart_count, reason)
-            close_run(self._handler, why, self._ctx())
+            close_run(self._handler, why, self._ctx(), failed=True)
         self._stop_group()
         parts = [reason] if reason else []
         if self._failures:

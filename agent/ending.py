@@ -16,7 +16,14 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler
 from agent.errorfile import Failure, root_cause
 from agent.ranks import Store
 
-__all__ = ["EXIT_BARRIER", "close_reason", "close_run", "exit_barrier", "leave"]
+__all__ = [
+    "EXIT_BARRIER",
+    "close_reason",
+    "close_run",
+    "closed_mode",
+    "exit_barrier",
+    "leave",
+]
 
 log = logging.getLogger(__name__)
 
@@ -70,18 +77,31 @@ def close_reason(
     return f"{who} gave up: {reason}" if reason else f"{who} gave up"
 
 
-def close_run(handler: RendezvousHandler, reason: str | None, ctx: str) -> None:
+def close_run(handler: RendezvousHandler, reason: str, ctx: str, *, failed: bool) -> None:
     """Close the run for every node; a failure to close is logged, not raised (the
-    workers' outcome decides the exit code). Our handler takes the reason and shows it
-    to every node that finds the run closed; torch's take none."""
+    workers' outcome decides the exit code).
+
+    Our handler takes the reason, shown to every node that finds the run closed, and the
+    mode: ``failed`` (the others stop their workers at once) or ``finished``; torch's
+    handlers take neither.
+    """
     set_closed: Callable[..., None] = handler.set_closed
+    params = inspect.signature(set_closed).parameters
+    kwargs: dict[str, str] = {}
+    if "reason" in params:
+        kwargs["reason"] = reason
+    if "mode" in params:
+        kwargs["mode"] = "failed" if failed else "finished"
     try:
-        if reason is not None and "reason" in inspect.signature(set_closed).parameters:
-            set_closed(reason=reason)
-        else:
-            set_closed()
+        set_closed(**kwargs)
     except Exception:
         log.exception("%s: could not close the rendezvous", ctx)
+
+
+def closed_mode(handler: RendezvousHandler) -> str:
+    """How the run was closed, when the handler says (ours: ``finished``, ``failed``,
+    ``drain``); ``unspecified`` otherwise."""
+    return str(getattr(handler, "close_mode", "unspecified"))
 
 
 def leave(handler: RendezvousHandler, ctx: str) -> None:
