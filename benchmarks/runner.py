@@ -103,10 +103,11 @@ def finish(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def _etcd_version() -> str:
-    from coordinator.etcd_server import etcd_version, find_etcd_binary
+    from benchmarks.systems import benchmark_etcd_binary
+    from coordinator.etcd_server import etcd_version
 
     try:
-        return etcd_version(find_etcd_binary())
+        return etcd_version(benchmark_etcd_binary())
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return f"unknown ({exc})"
 

