@@ -208,11 +208,14 @@ class EtcdRendezvousHandler(RendezvousHandler):
         wanted = 0
         log.info("node %s joining run %s", self.node_id, run_id)
         while True:
-            if wanted and self._session_lost():
-                wanted = 0  # our key is gone: ask again with a new lease
-            state, _ = view.snapshot()
-            seen = view.seen_revision
+            state, _, seen = view.read()
             action = decide_node(state, self.node_id, wanted, self._clock(), deadline)
+            if action is not NodeAction.FINISH and wanted and self._session_lost():
+                # Our key is gone before our round completed: ask again with a new lease.
+                # (Had the round completed with us, the rank is ours; the loss then shows
+                # in num_nodes_waiting() and the agent re-rendezvouses.)
+                wanted = 0
+                action = decide_node(state, self.node_id, wanted, self._clock(), deadline)
             rank = state.rank_of(self.node_id)
             if action is NodeAction.FINISH and rank is not None:
                 log.info(

@@ -136,15 +136,23 @@ class StateView:
                 raise self._error
             return self._state, self._mod_revision
 
+    def read(self) -> tuple[RdzvState, int, int]:
+        """The latest state, its mod_revision and the revision the view has reached, read
+        together: pass the last to :meth:`wait_newer` so no change between the read and
+        the wait is missed.
+
+        Raises:
+            CorruptValueError: the key holds a value we cannot read.
+        """
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+            return self._state, self._mod_revision, self._seen_revision
+
     def peek(self) -> RdzvState:
         """The latest decodable state, never raising (for ``num_nodes_waiting``)."""
         with self._cond:
             return self._state
-
-    @property
-    def seen_revision(self) -> int:
-        with self._cond:
-            return self._seen_revision
 
     def wait_newer(
         self,
