@@ -56,8 +56,10 @@ def wait_for(
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
+            load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
             raise AssertionError(
-                f"timed out after {timeout:.0f} s waiting for {what}\n{diagnose()}"
+                f"timed out after {timeout:.0f} s waiting for {what} (load average {load})"
+                f"\n{diagnose()}"
             )
         time.sleep(0.1)
 
