@@ -75,15 +75,15 @@ def etcd_mode(env: Mapping[str, str] | None = None, engine_problem: str | None =
 
     Args:
         env: the environment to read ``ETCD_ELASTIC_ETCD`` from (default ``os.environ``):
-            ``binary`` (the default), ``container`` (fail if no engine), or ``auto``
-            (containers when a docker engine and the image are there).
+            ``auto`` (the default: containers when a docker engine and the image are
+            there, else the binary), ``binary``, or ``container`` (fail if no engine).
         engine_problem: what :func:`container_engine_problem` said (None: usable).
 
     Raises:
         ValueError: the variable has another value, or ``container`` was asked for and
             ``engine_problem`` says why it cannot be had.
     """
-    value = (os.environ if env is None else env).get(_MODE_VARIABLE, "binary").strip().lower()
+    value = (os.environ if env is None else env).get(_MODE_VARIABLE, "auto").strip().lower()
     if value not in _MODES:
         raise ValueError(
             f"{_MODE_VARIABLE}={value!r} is not one of {', '.join(_MODES)}; "

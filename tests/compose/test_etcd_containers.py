@@ -37,7 +37,8 @@ def _labelled_containers() -> list[str]:
 @pytest.mark.parametrize(
     ("value", "problem", "mode"),
     [
-        (None, None, "binary"),
+        (None, None, "container"),
+        (None, "no docker engine answers", "binary"),
         ("binary", None, "binary"),
         ("container", None, "container"),
         ("auto", None, "container"),
