@@ -28,6 +28,7 @@ import datetime
 import itertools
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -58,6 +59,9 @@ __all__ = ["EtcdRendezvousHandler", "create_handler"]
 log = logging.getLogger(__name__)
 
 _node_counter = itertools.count()
+# Random per process: host name and pid repeat across containers (all pid 1, one name on
+# the host's network), so they alone do not make node ids unique.
+_PROCESS_TAG = secrets.token_hex(3)
 
 
 class EtcdRendezvousHandler(RendezvousHandler):
@@ -90,7 +94,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._clock = clock
         self._hostname = socket.gethostname()
         self._addr = settings.local_addr or socket.getfqdn()
-        self.node_id = make_node_id(self._hostname, os.getpid(), next(_node_counter))
+        self.node_id = make_node_id(
+            self._hostname, os.getpid(), next(_node_counter), _PROCESS_TAG
+        )
         self.local_world_size = local_world_size
         self.role = role
         self._limits = Limits(settings.min_nodes, settings.max_nodes, settings.last_call_timeout)

@@ -101,21 +101,25 @@ def validate_node_id(node_id: str) -> str:
     return node_id
 
 
-def make_node_id(host: str, pid: int, counter: int) -> str:
-    """Return the node id ``<host>-<pid>-<counter>`` for an agent.
+def make_node_id(host: str, pid: int, counter: int, tag: str = "") -> str:
+    """Return the node id ``<host>-<pid>-<counter>`` (``…-<tag>`` with a tag) for an agent.
 
     ``host`` is sanitized: characters outside ``A-Z a-z 0-9 . _ -`` become ``-``, leading
     characters that are not a letter or digit are dropped, it is cut to 80 characters, and
-    an empty result becomes ``node``.
+    an empty result becomes ``node``. ``tag`` (lowercase hex) keeps ids unique where host
+    and pid repeat: containers on the host's network share its name and are all pid 1.
 
     Raises:
-        ValueError: ``pid`` or ``counter`` is negative.
+        ValueError: ``pid`` or ``counter`` is negative, or ``tag`` is not lowercase hex.
     """
     if pid < 0 or counter < 0:
         raise ValueError(f"pid {pid} and counter {counter} must not be negative")
+    if tag and not re.fullmatch(r"[0-9a-f]{1,16}", tag):
+        raise ValueError(f"node id tag {tag!r} must be 1-16 lowercase hex digits")
     clean = re.sub(r"[^A-Za-z0-9._-]", "-", host)
     clean = re.sub(r"^[^A-Za-z0-9]+", "", clean)[:_MAX_HOST_LEN] or "node"
-    return validate_node_id(f"{clean}-{pid}-{counter}")
+    suffix = f"-{tag}" if tag else ""
+    return validate_node_id(f"{clean}-{pid}-{counter}{suffix}")
 
 
 def encode_store_key(user_key: str | bytes) -> bytes:

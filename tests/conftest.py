@@ -7,6 +7,7 @@ the keyspace); tests that break a cluster on purpose ask for ``fresh_cluster3``.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import uuid
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.etcd_server import EtcdCluster, etcd_version, find_etcd_binary, wheel_etcd_binary
+from tests.etcd_containers import EtcdContainers, container_engine_problem, etcd_mode
 
 
 def _test_binary() -> Path:
@@ -26,17 +28,34 @@ def _test_binary() -> Path:
     return wheel_etcd_binary() or find_etcd_binary()
 
 
+@functools.cache
+def _etcd_kind() -> str:
+    """``binary`` or ``container`` (testcontainers), from ETCD_ELASTIC_ETCD=auto|binary|container.
+
+    ``auto`` (the default) uses containers when a docker engine and our etcd image are
+    there (scripts/build_images), else the local binary.
+    """
+    wanted = os.environ.get("ETCD_ELASTIC_ETCD", "auto").strip().lower()
+    return etcd_mode(os.environ, None if wanted == "binary" else container_engine_problem())
+
+
 def _cluster(size: int) -> EtcdCluster:
     # fsync off only where the etcd build supports it; speed is measured by benchmarks.
+    no_fsync = os.environ.get("ETCD_ELASTIC_FSYNC") != "1"
+    if _etcd_kind() == "container":
+        # Duck-typed: the same endpoints/members/kill/restart/stop surface.
+        return EtcdContainers(size, no_fsync=no_fsync)  # type: ignore[return-value]
     return EtcdCluster(
         size,
         binary=_test_binary(),
-        no_fsync=os.environ.get("ETCD_ELASTIC_FSYNC") != "1",
+        no_fsync=no_fsync,
         stop_grace=1.0,  # the data is thrown away: no need to wait out a leader hand-over
     )
 
 
 def pytest_report_header() -> str:
+    if _etcd_kind() == "container":
+        return "etcd for tests: containers of the local etcd image (testcontainers)"
     binary = _test_binary()
     return f"etcd for tests: {binary} (version {etcd_version(binary)})"
 

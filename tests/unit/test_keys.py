@@ -228,3 +228,12 @@ def test_decode_rejects_what_encode_never_makes(bad: bytes) -> None:
 def test_join_store_key_needs_a_folder_prefix() -> None:
     with pytest.raises(ValueError, match=r"^store prefix b'/p/job/store/1' must end with '/'$"):
         join_store_key(b"/p/job/store/1", "k")
+
+
+def test_node_id_tag_keeps_ids_apart_when_host_and_pid_repeat() -> None:
+    from coordinator.keys import make_node_id
+
+    assert make_node_id("vm", 1, 0, "a1b2c3") == "vm-1-0-a1b2c3"
+    assert make_node_id("vm", 1, 0, "a1b2c3") != make_node_id("vm", 1, 0, "0f0f0f")
+    with pytest.raises(ValueError, match="node id tag 'XYZ' must be 1-16 lowercase hex"):
+        make_node_id("vm", 1, 0, "XYZ")
