@@ -11,6 +11,7 @@ compare-and-swaps. Ours comes from ``coordinator.handler.create_handler``.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -22,7 +23,13 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
-__all__ = ["Counters", "CountingBackend", "build_handler", "handler_counters"]
+__all__ = [
+    "Counters",
+    "CountingBackend",
+    "build_handler",
+    "handler_counters",
+    "release_handlers",
+]
 
 
 class Counters:
@@ -125,3 +132,35 @@ def handler_counters(handlers: list[RendezvousHandler]) -> dict[str, int]:
             if isinstance(value, int):
                 total[str(key)] = total.get(str(key), 0) + value
     return total
+
+
+def _release(handler: Any) -> None:
+    leave = getattr(handler, "leave", None)
+    if callable(leave):
+        # Ours: stop watching, revoke the lease, close the client (the run is over).
+        leave()
+        return
+    # Torch's handlers have no public way to stop without closing the rendezvous (a write
+    # to a run nobody uses any more); stopping the heartbeat timer is all that is needed
+    # for the old handler to cost nothing.
+    stop = getattr(handler, "_stop_heartbeats", None)
+    if callable(stop):
+        stop()
+
+
+def release_handlers(handlers: list[Any]) -> None:
+    """Let the handlers of a finished run go: no thread of theirs keeps working.
+
+    Done in parallel (ours revokes a lease per handler, a round trip each), and never
+    fails: a handler that cannot be released cleanly only costs a little noise.
+    """
+
+    def release(handler: Any) -> None:
+        with contextlib.suppress(Exception):
+            _release(handler)
+
+    threads = [threading.Thread(target=release, args=(h,), daemon=True) for h in handlers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)

@@ -4,8 +4,12 @@ Run as ``python -m benchmarks.node``. The harness writes one JSON object per lin
 stdin and reads one JSON object per line from stdout:
 
 - first line, the spec: ``{"system", "endpoint", "run_id", "min_nodes", "max_nodes",
-  "config", "nodes": [node index, ...], "env"?}``; the process builds one handler per node and
-  answers ``{"event": "ready"}`` (or ``{"event": "fatal", "error"}``);
+  "config", "nodes": [node index, ...], "env"?, "id"}``; the process builds one handler per
+  node and answers ``{"event": "ready", "id"}`` (or ``{"event": "fatal", "error"}``);
+- ``{"cmd": "build", "id", "spec"}``: the next run in the same process (the harness reuses
+  node processes across the repeats of one system, so torch is imported once): the old
+  handlers are let go (ours leave, torch's stop their heartbeats), new ones are built from
+  ``spec`` as above, and the process answers ``{"event": "ready", "id"}``;
 - ``{"cmd": "rendezvous", "id", "at", "nodes"}``: each listed node (all if absent) waits
   for the common start ``at`` (``time.monotonic()``, which is system-wide on Linux) and
   calls ``next_rendezvous()``; answers ``{"event": "done", "id", "node", "t_end", "rank",
@@ -106,24 +110,41 @@ def _run_on_waiting(handler: Any, node: int, cmd: dict[str, Any]) -> None:
     _rendezvous(handler, node, cmd_id)
 
 
-def _serve(spec: dict[str, Any]) -> None:
-    from benchmarks.handlers import Counters, build_handler, handler_counters
+def _build(spec: dict[str, Any], counters: Any) -> dict[int, Any] | None:
+    from benchmarks.handlers import build_handler
 
     os.environ.update({str(k): str(v) for k, v in spec.get("env", {}).items()})
-    counters = Counters()
     handlers: dict[int, Any] = {}
     try:
         for node in spec["nodes"]:
             handlers[int(node)] = build_handler(spec, counters)
     except Exception as exc:
         _emit({"event": "fatal", "error": _describe(exc)})
+        return None
+    _emit({"event": "ready", "pid": os.getpid(), "id": spec.get("id")})
+    return handlers
+
+
+def _serve(spec: dict[str, Any]) -> None:
+    from benchmarks.handlers import Counters, handler_counters, release_handlers
+
+    counters = Counters()
+    handlers = _build(spec, counters)
+    if handlers is None:
         return
-    _emit({"event": "ready", "pid": os.getpid()})
     for line in sys.stdin:
         cmd = json.loads(line)
         kind = cmd["cmd"]
         if kind == "exit":
             return
+        if kind == "build":
+            # Let the previous run's handlers go before the next run's are built, so their
+            # threads (heartbeats, watches) do not load the next measurement.
+            release_handlers(list(handlers.values()))
+            handlers = _build({**cmd["spec"], "id": cmd["id"]}, counters)
+            if handlers is None:
+                return
+            continue
         if kind == "counters":
             values = counters.snapshot()
             values.update(handler_counters(list(handlers.values())))

@@ -131,6 +131,9 @@ class NodeGroup:
         self.layout = layout
         self.children: list[Child] = []
         self._next_id = 0
+        # Every child ever started, by the tag its replies carry: a replaced child's late
+        # end-of-file must not be taken for its successor's.
+        self._by_tag: dict[int, Child] = {}
         self._spec = spec
         self._backlog: list[tuple[int, dict[str, Any]]] = []
 
@@ -140,15 +143,35 @@ class NodeGroup:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _spawn(self, nodes: list[int], spec: dict[str, Any]) -> Child:
+        tag = len(self._by_tag)
+        child = Child(tag, ["-m", "benchmarks.node"], self.replies)
+        self._by_tag[tag] = child
+        child.send({**spec, "nodes": nodes})
+        return child
+
     def start(self, timeout: float) -> None:
         """Start every node process and wait until all its handlers are built."""
-        for index, nodes in enumerate(self.layout):
-            child = Child(index, ["-m", "benchmarks.node"], self.replies)
-            self.children.append(child)
-            child.send({**self._spec, "nodes": nodes})
-        ready = self._collect({"ready"}, len(self.layout), None, timeout, "start")
-        if len(ready) < len(self.layout):
-            raise RunError(f"only {len(ready)} of {len(self.layout)} node processes started")
+        self._next_id += 1
+        spec = {**self._spec, "id": self._next_id}
+        self.children = [self._spawn(nodes, spec) for nodes in self.layout]
+        self._collect({"ready"}, len(self.layout), self._next_id, timeout, "start")
+
+    def rebuild(self, spec: dict[str, Any], timeout: float) -> None:
+        """Give every node fresh handlers for ``spec`` (a new run), keeping the processes.
+
+        A live process drops its old handlers and builds new ones (no torch import again);
+        a process that was killed (node-loss) is started afresh.
+        """
+        self._next_id += 1
+        self._spec = spec
+        for position, (child, nodes) in enumerate(zip(self.children, self.layout, strict=True)):
+            if child.killed or child.proc.poll() is not None:
+                child.stop()
+                self.children[position] = self._spawn(nodes, {**spec, "id": self._next_id})
+            else:
+                child.send({"cmd": "build", "id": self._next_id, "spec": {**spec, "nodes": nodes}})
+        self._collect({"ready"}, len(self.layout), self._next_id, timeout, "rebuild")
 
     def process_of(self, node: int) -> Child:
         for child, nodes in zip(self.children, self.layout, strict=True):
@@ -205,7 +228,7 @@ class NodeGroup:
             except queue.Empty:
                 continue
             event = reply.get("event")
-            child = self.children[index]
+            child = self._by_tag[index]
             if event in ("fatal", "eof") and not child.killed:
                 raise RunError(
                     f"node process {index} (pid {child.pid}) failed during {what}: "
@@ -227,5 +250,5 @@ class NodeGroup:
     def close(self) -> None:
         for child in self.children:
             child.send({"cmd": "exit"})
-        for child in self.children:
+        for child in self._by_tag.values():
             child.stop()

@@ -8,8 +8,10 @@ nodes themselves (system-wide on Linux), so the harness's own latency does not c
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from benchmarks.procs import NodeGroup, RunError, cpu_seconds, split_nodes
@@ -17,7 +19,7 @@ from benchmarks.runner import Sample
 from benchmarks.stats import etcd_activity, rank_problem
 from benchmarks.systems import System
 
-__all__ = ["formation_run", "idle_run", "node_loss_run", "scale_up_run"]
+__all__ = ["GroupPool", "formation_run", "idle_run", "node_loss_run", "scale_up_run"]
 
 # torch's agent asks num_nodes_waiting() every monitor interval (LaunchConfig default).
 MONITOR_INTERVAL_S = 0.1
@@ -27,6 +29,53 @@ MONITOR_INTERVAL_S = 0.1
 # own opt-out makes rank 0 publish it every round, so torch gets a number at all.
 TORCH_SCALE_UP_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 _START_MARGIN_S = 0.5
+
+
+class GroupPool:
+    """Node processes kept across the repeats of one system (torch is imported once).
+
+    Each repeat still gets fresh handlers for a fresh run id (the old ones are released
+    first, so their threads do not load the next measurement); a killed process is
+    restarted. A different system, or a run that failed, gets fresh processes: a failed
+    run may leave threads blocked in ``next_rendezvous()``.
+    """
+
+    def __init__(self) -> None:
+        self._group: NodeGroup | None = None
+        self._system: System | None = None
+        self._layout: list[list[int]] = []
+
+    @contextlib.contextmanager
+    def use(
+        self, system: System, spec: dict[str, Any], layout: list[list[int]], timeout: float
+    ) -> Iterator[NodeGroup]:
+        """Yield a group of ``layout`` whose nodes hold fresh handlers for ``spec``."""
+        if self._group is not None and self._system is system and self._layout == layout:
+            try:
+                self._group.rebuild(spec, timeout)
+            except BaseException:
+                self.close()
+                raise
+        else:
+            self.close()
+            self._group = NodeGroup(spec, layout)
+            self._system, self._layout = system, layout
+            try:
+                self._group.start(timeout)
+            except BaseException:
+                self.close()
+                raise
+        try:
+            yield self._group
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop and reap every node process (called when a system's runs are over)."""
+        group, self._group, self._system = self._group, None, None
+        if group is not None:
+            group.close()
 
 
 def _run_id(tag: str) -> str:
@@ -56,13 +105,12 @@ def _figures(
 
 
 def formation_run(
-    system: System, nodes: int, processes: int, last_call: int, timeout: float
+    pool: GroupPool, system: System, nodes: int, processes: int, last_call: int, timeout: float
 ) -> Sample:
     """``nodes`` nodes call ``next_rendezvous()`` together with min = max = ``nodes``."""
     config = {"last_call_timeout": last_call, "join_timeout": int(timeout)}
     spec = system.spec(_run_id(f"f{nodes}"), nodes, nodes, config)
-    with NodeGroup(spec, split_nodes(nodes, processes)) as group:
-        group.start(timeout=60 + nodes * 0.2)
+    with pool.use(system, spec, split_nodes(nodes, processes), 60 + nodes * 0.2) as group:
         before = system.metrics()
         base = group.counters()
         pids = [c.pid for c in group.children]
@@ -91,7 +139,13 @@ def _form(group: NodeGroup, nodes: list[int], timeout: float) -> None:
 
 
 def scale_up_run(
-    system: System, nodes: int, max_nodes: int, processes: int, last_call: int, timeout: float
+    pool: GroupPool,
+    system: System,
+    nodes: int,
+    max_nodes: int,
+    processes: int,
+    last_call: int,
+    timeout: float,
 ) -> Sample:
     """A formed group of ``nodes`` notices one new node and completes a round with it.
 
@@ -105,8 +159,7 @@ def scale_up_run(
     if system.name != "etcd-v3":
         spec["env"] = TORCH_SCALE_UP_ENV
     layout = [*split_nodes(nodes, processes), [nodes]]
-    with NodeGroup(spec, layout) as group:
-        group.start(timeout=120)
+    with pool.use(system, spec, layout, 120) as group:
         first = list(range(nodes))
         _form(group, first, timeout)
         before = system.metrics()
@@ -126,6 +179,7 @@ def scale_up_run(
 
 
 def node_loss_run(
+    pool: GroupPool,
     system: System,
     nodes: int,
     min_nodes: int,
@@ -140,8 +194,7 @@ def node_loss_run(
     """
     config = {"last_call_timeout": last_call, "join_timeout": int(timeout)}
     spec = system.spec(_run_id("loss"), min_nodes, nodes, config)
-    with NodeGroup(spec, [[i] for i in range(nodes)]) as group:
-        group.start(timeout=120)
+    with pool.use(system, spec, [[i] for i in range(nodes)], 120) as group:
         at = time.monotonic() + _START_MARGIN_S
         cmd = group.command({"cmd": "rendezvous", "at": at})
         replies = group.results(cmd, nodes, timeout)
@@ -156,7 +209,9 @@ def node_loss_run(
         return Sample(t_last - t_kill, _figures(system, before, {}))
 
 
-def idle_run(system: System, nodes: int, processes: int, seconds: float, timeout: float) -> Sample:
+def idle_run(
+    pool: GroupPool, system: System, nodes: int, processes: int, seconds: float, timeout: float
+) -> Sample:
     """A formed group of ``nodes`` sits idle for ``seconds``; the sample is CPU s per node.
 
     Figures: CPU seconds per node (node processes, all threads, from /proc), the same as a
@@ -165,8 +220,7 @@ def idle_run(system: System, nodes: int, processes: int, seconds: float, timeout
     """
     config = {"last_call_timeout": 1, "join_timeout": int(timeout)}
     spec = system.spec(_run_id("idle"), nodes, nodes, config)
-    with NodeGroup(spec, split_nodes(nodes, processes)) as group:
-        group.start(timeout=120)
+    with pool.use(system, spec, split_nodes(nodes, processes), 120) as group:
         _form(group, list(range(nodes)), timeout)
         pids = [c.pid for c in group.children]
         before = system.metrics()

@@ -52,6 +52,8 @@ def measure(
     lease_ttl: int = 5,
     unavailable: Callable[[str], str | None] | None = None,
     stop_after_error: bool = True,
+    slow_s: float | None = None,
+    after_system: Callable[[], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Run ``run`` ``repeat`` times for each system; return the per-system results.
 
@@ -59,7 +61,10 @@ def measure(
     last); ``lease_ttl`` goes to ours, the only one with a lease; ``unavailable`` may
     name a scenario-specific reason a system cannot run. A run that fails is recorded in
     ``errors``; with ``stop_after_error`` the
-    remaining repetitions of that system are skipped (a timeout would repeat).
+    remaining repetitions of that system are skipped (a timeout would repeat), and so
+    they are after a run slower than ``slow_s`` (its figure is kept; the point is then
+    bounded by that one run). ``after_system`` runs after a system's last run, before its
+    servers stop (node processes must not outlive the server they talk to).
     """
     results: dict[str, dict[str, Any]] = {}
     for name in systems:
@@ -84,10 +89,17 @@ def measure(
                     errors.append(f"run {index + 1}: {exc}")
                     if stop_after_error:
                         break
+                if slow_s is not None and samples and samples[-1].seconds > slow_s:
+                    entry["slow"] = f"run {index + 1} took over {slow_s:g} s: not repeated"
+                    break
         except Exception as exc:
             errors.append(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}")
         finally:
-            system.stop()
+            try:
+                if after_system is not None:
+                    after_system()
+            finally:
+                system.stop()
         entry.update(available=True, **summarize([s.seconds for s in samples]), errors=errors)
         entry["samples"] = [round(s.seconds, 4) for s in samples]
         entry["figures"] = _median_figures(samples)
