@@ -330,12 +330,6 @@ def test_close_of_a_missing_run_exits_1(
 
 @pytest.mark.e2e
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="the agent stops its workers and exits 1 ('etcdrun: error: run ... is closed') on "
-    "ANY close; an operator's close must let the current attempt finish and exit 0. It needs "
-    "the state to say how the run was closed (see the rdzvctl report)",
-)
 def test_close_lets_running_agents_finish_their_attempt_and_exit_0(
     etcd1: EtcdCluster, run_id: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
