@@ -23,9 +23,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 __all__ = [
     "EtcdBinaryNotFoundError",
@@ -34,6 +35,7 @@ __all__ = [
     "EtcdStartError",
     "find_etcd_binary",
     "free_port",
+    "wait_members_healthy",
     "wheel_etcd_binary",
 ]
 
@@ -160,6 +162,40 @@ class EtcdMember:
             return text
 
 
+class _Member(Protocol):
+    name: str
+
+    @property
+    def endpoint(self) -> str: ...
+
+    def healthy(self, timeout: float = 1.0) -> bool: ...
+
+
+M = TypeVar("M", bound=_Member)
+
+
+def wait_members_healthy(
+    members: Sequence[M], timeout: float, exited: Callable[[M], str | None], poll: float
+) -> None:
+    """Wait until every member answers ``/health``; raise EtcdStartError if one exits
+    (``exited`` returns why) or the timeout passes. Shared by processes and containers."""
+    deadline = time.monotonic() + timeout
+    pending = list(members)
+    while pending:
+        for member in list(pending):
+            why = exited(member)
+            if why is not None:
+                raise EtcdStartError(why)
+            if member.healthy():
+                pending.remove(member)
+        if pending and time.monotonic() > deadline:
+            names = ", ".join(f"{m.name} ({m.endpoint})" for m in pending)
+            raise EtcdStartError(f"etcd member(s) {names} not healthy after {timeout:.0f} s")
+        if pending:
+            # Server start-up is not a condition we could watch for: a short back-off.
+            time.sleep(poll)
+
+
 class EtcdCluster:
     """A set of etcd members on loopback: one for ``--standalone``, three for failover tests.
 
@@ -267,23 +303,15 @@ class EtcdCluster:
         return self
 
     def wait_healthy(self, members: Sequence[EtcdMember], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        pending = list(members)
-        while pending:
-            for member in list(pending):
-                if member.process is not None and member.process.poll() is not None:
-                    raise EtcdStartError(
-                        f"etcd member {member.name} on {member.endpoint} exited with code "
-                        f"{member.process.returncode}:\n{self.log_tail(member)}"
-                    )
-                if member.healthy():
-                    pending.remove(member)
-            if pending and time.monotonic() > deadline:
-                names = ", ".join(f"{m.name} ({m.endpoint})" for m in pending)
-                raise EtcdStartError(f"etcd member(s) {names} not healthy after {timeout:.0f} s")
-            if pending:
-                # Process start-up, not a condition we could watch for: a short back-off.
-                time.sleep(0.05)
+        def exited(member: EtcdMember) -> str | None:
+            if member.process is None or member.process.poll() is None:
+                return None
+            return (
+                f"etcd member {member.name} on {member.endpoint} exited with code "
+                f"{member.process.returncode}:\n{self.log_tail(member)}"
+            )
+
+        wait_members_healthy(members, timeout, exited, poll=0.05)
 
     def kill(self, index: int) -> None:
         """SIGKILL one member (a crash); its data directory stays for :meth:`restart`."""

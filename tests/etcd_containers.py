@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.etcd_server import EtcdStartError
+from coordinator.etcd_server import EtcdStartError, wait_members_healthy
 
 __all__ = [
     "ETCD_IMAGE",
@@ -283,23 +283,12 @@ class EtcdContainers:
         self.wait_healthy(self.members, timeout)
 
     def wait_healthy(self, members: list[EtcdMemberContainer], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        pending = list(members)
-        while pending:
-            for member in list(pending):
-                if member.status() in ("exited", "dead"):
-                    raise EtcdStartError(
-                        f"etcd container {member.name} on {member.endpoint} exited:\n"
-                        f"{member.logs()}"
-                    )
-                if member.healthy():
-                    pending.remove(member)
-            if pending and time.monotonic() > deadline:
-                names = ", ".join(f"{m.name} ({m.endpoint})" for m in pending)
-                raise EtcdStartError(f"etcd member(s) {names} not healthy after {timeout:.0f} s")
-            if pending:
-                # Container start-up, not a condition we could watch for: a short back-off.
-                time.sleep(0.1)
+        def exited(member: EtcdMemberContainer) -> str | None:
+            if member.status() not in ("exited", "dead"):
+                return None
+            return f"etcd container {member.name} on {member.endpoint} exited:\n{member.logs()}"
+
+        wait_members_healthy(members, timeout, exited, poll=0.1)
 
     def kill(self, index: int) -> None:
         """SIGKILL one member (a crash); its container and data stay for :meth:`restart`."""
