@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks.scenarios import SCENARIOS, run_all, run_scenario
-from benchmarks.systems import ALL_SYSTEMS
+from benchmarks.systems import ALL_SYSTEMS, CLIENT_MODES
 
 __all__ = ["main", "parse_args"]
 
@@ -72,6 +72,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument(
         "--last-call", type=_positive, default=None, help="last_call_timeout, s, both sides"
+    )
+    parser.add_argument(
+        "--client",
+        choices=CLIENT_MODES,
+        default=CLIENT_MODES[0],
+        help="ours: one etcd client per node process, shared by its nodes (default), "
+        "or one per simulated node",
     )
     parser.add_argument("--lease-ttl", type=_positive, default=5, help="our lease TTL (5 s)")
     parser.add_argument(

@@ -102,7 +102,10 @@ def build_handler(spec: dict[str, Any], counters: Counters) -> RendezvousHandler
     if system == "etcd-v3":
         from coordinator.handler import create_handler as create_ours
 
-        return create_ours(_params(spec, "etcd-v3"))
+        params = _params(spec, "etcd-v3")
+        if spec.get("client") == "per-process":
+            return create_ours(params, client=_shared_client(params))
+        return create_ours(params)
     if system == "c10d":
         from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
 
@@ -132,6 +135,26 @@ def handler_counters(handlers: list[RendezvousHandler]) -> dict[str, int]:
             if isinstance(value, int):
                 total[str(key)] = total.get(str(key), 0) + value
     return total
+
+
+# One etcd client per node process, shared by its simulated nodes when the spec says
+# "client": "per-process" (each node keeps its own lease, node key and watches, so etcd
+# sees the same requests; only the client-side cost of simulating many machines on two
+# cores shrinks: one channel and one watch stream instead of one per node).
+_clients: dict[str, Any] = {}
+_clients_lock = threading.Lock()
+
+
+def _shared_client(params: RendezvousParameters) -> Any:
+    from coordinator.etcd_client import EtcdClient
+    from coordinator.settings import RendezvousSettings
+
+    with _clients_lock:
+        client = _clients.get(params.endpoint)
+        if client is None:
+            config = RendezvousSettings.from_parameters(params).etcd_config()
+            client = _clients[params.endpoint] = EtcdClient(config)
+        return client
 
 
 def _release(handler: Any) -> None:
@@ -164,3 +187,9 @@ def release_handlers(handlers: list[Any]) -> None:
         thread.start()
     for thread in threads:
         thread.join(timeout=30)
+    with _clients_lock:
+        clients = list(_clients.values())
+        _clients.clear()
+    for client in clients:
+        with contextlib.suppress(Exception):
+            client.close()

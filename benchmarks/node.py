@@ -176,7 +176,11 @@ def main(argv: list[str]) -> None:
     if len(argv) == 2 and argv[0] == "--store-host":
         _host_store(int(argv[1]))
     else:
+        from benchmarks import profiling
+
+        profiling.enable_from_env()
         _serve(json.loads(sys.stdin.readline()))
+        profiling.dump()
     sys.stdout.flush()
     # Handler threads (heartbeats, watches) are not ours to join: the run is over.
     os._exit(0)

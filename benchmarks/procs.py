@@ -23,7 +23,8 @@ from typing import IO, Any
 __all__ = ["REPO_ROOT", "Child", "NodeGroup", "RunError", "cpu_seconds", "split_nodes"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-_GRACE_S = 3.0
+# A profiled node process (BENCH_PROFILE_DIR) needs time to write its profile at exit.
+_GRACE_S = 60.0 if os.environ.get("BENCH_PROFILE_DIR") else 3.0
 
 
 class RunError(RuntimeError):

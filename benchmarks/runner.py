@@ -19,7 +19,7 @@ from typing import Any
 
 from benchmarks.procs import RunError
 from benchmarks.stats import ratio, summarize
-from benchmarks.systems import System, make_system
+from benchmarks.systems import CLIENT_MODES, System, make_system
 
 __all__ = ["Sample", "environment", "finish", "measure"]
 
@@ -50,6 +50,7 @@ def measure(
     shared_config: dict[str, Any],
     *,
     lease_ttl: int = 5,
+    client: str = CLIENT_MODES[0],
     unavailable: Callable[[str], str | None] | None = None,
     stop_after_error: bool = True,
     slow_s: float | None = None,
@@ -68,7 +69,7 @@ def measure(
     """
     results: dict[str, dict[str, Any]] = {}
     for name in systems:
-        system = make_system(name, lease_ttl=lease_ttl)
+        system = make_system(name, lease_ttl=lease_ttl, client=client)
         entry: dict[str, Any] = {
             "description": system.description,
             "config": system.stated_config(shared_config),

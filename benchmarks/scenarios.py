@@ -81,6 +81,7 @@ def formation(args: argparse.Namespace) -> Result:
         args.repeat,
         shared,
         lease_ttl=args.lease_ttl,
+        client=args.client,
         slow_s=FORMATION_SLOW_S,
         after_system=pool.close,
     )
@@ -117,7 +118,13 @@ def scale_up(args: argparse.Namespace) -> Result:
         f"call to the last of the {nodes + 1} returning with world size {nodes + 1}. {_REUSE}"
     )
     systems = measure(
-        args.systems, run, args.repeat, shared, lease_ttl=args.lease_ttl, after_system=pool.close
+        args.systems,
+        run,
+        args.repeat,
+        shared,
+        lease_ttl=args.lease_ttl,
+        client=args.client,
+        after_system=pool.close,
     )
     for name, entry in systems.items():
         if name != "etcd-v3":
@@ -147,7 +154,13 @@ def node_loss(args: argparse.Namespace) -> Result:
         "The killed process is restarted before the next repeat."
     )
     systems = measure(
-        args.systems, run, args.repeat, shared, lease_ttl=args.lease_ttl, after_system=pool.close
+        args.systems,
+        run,
+        args.repeat,
+        shared,
+        lease_ttl=args.lease_ttl,
+        client=args.client,
+        after_system=pool.close,
     )
     return _result("node-loss", f"N={nodes}", "seconds", method, systems)
 
@@ -168,7 +181,13 @@ def idle(args: argparse.Namespace) -> Result:
         f"etcd gRPC messages received per second per node, and torch's backend calls. {_REUSE}"
     )
     systems = measure(
-        args.systems, run, args.repeat, shared, lease_ttl=args.lease_ttl, after_system=pool.close
+        args.systems,
+        run,
+        args.repeat,
+        shared,
+        lease_ttl=args.lease_ttl,
+        client=args.client,
+        after_system=pool.close,
     )
     return _result("idle", f"N={nodes}, {seconds:g} s", "CPU seconds per node", method, systems)
 

@@ -19,9 +19,19 @@ from benchmarks.procs import REPO_ROOT, Child, RunError, cpu_seconds
 from benchmarks.stats import parse_prometheus
 from coordinator.etcd_server import EtcdCluster, find_etcd_binary, free_port
 
-__all__ = ["ALL_SYSTEMS", "SYSTEMS", "System", "benchmark_etcd_binary", "make_system"]
+__all__ = [
+    "ALL_SYSTEMS",
+    "CLIENT_MODES",
+    "SYSTEMS",
+    "System",
+    "benchmark_etcd_binary",
+    "make_system",
+]
 
 ALL_SYSTEMS = ("etcd-v3", "c10d", "etcd-v2")
+# How our simulated nodes reach etcd: sharing one client per node process (default) or
+# one client each, as separate machines would.
+CLIENT_MODES = ("per-process", "per-node")
 
 # The settings both sides share; everything else stays at each system's default.
 _TORCH_DEFAULTS = {
@@ -109,9 +119,21 @@ class Ours(System):
     name = "etcd-v3"
     description = "ours: coordinator.handler over etcd v3 (one member, on disk, fsync on)"
 
-    def __init__(self, lease_ttl: int = 5) -> None:
+    def __init__(self, lease_ttl: int = 5, client: str = CLIENT_MODES[0]) -> None:
         super().__init__()
         self.lease_ttl = lease_ttl
+        self.client = client
+
+    def spec(self, run_id: str, min_nodes: int, max_nodes: int, config: dict[str, Any]) -> Any:
+        return {**super().spec(run_id, min_nodes, max_nodes, config), "client": self.client}
+
+    def stated_config(self, shared: dict[str, Any]) -> dict[str, Any]:
+        why = {
+            "per-process": "one EtcdClient per node process, shared by its simulated nodes "
+            "(each node still has its own lease, node key and watches)",
+            "per-node": "one EtcdClient per simulated node (its own channel and streams)",
+        }
+        return {**super().stated_config(shared), "client": f"{self.client}: {why[self.client]}"}
 
     def unavailable_reason(self) -> str | None:
         if not (REPO_ROOT / "coordinator" / "handler.py").is_file():
@@ -226,14 +248,14 @@ SYSTEMS: dict[str, type[System]] = {
 }
 
 
-def make_system(name: str, *, lease_ttl: int = 5) -> System:
-    """A fresh adapter for ``name``; ``lease_ttl`` (seconds) applies to ours only.
+def make_system(name: str, *, lease_ttl: int = 5, client: str = CLIENT_MODES[0]) -> System:
+    """A fresh adapter for ``name``; ``lease_ttl`` (seconds) and ``client`` are ours only.
 
     Raises:
         ValueError: ``name`` is not one of :data:`ALL_SYSTEMS`.
     """
     if name == "etcd-v3":
-        return Ours(lease_ttl=lease_ttl)
+        return Ours(lease_ttl=lease_ttl, client=client)
     if name not in SYSTEMS:
         raise ValueError(f"unknown system {name!r}: choose from {', '.join(SYSTEMS)}")
     return SYSTEMS[name]()
