@@ -33,17 +33,15 @@ from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHand
 from agent.config import LaunchConfig
 from agent.ending import close_reason, close_run, closed_mode, exit_barrier, leave
 from agent.errorfile import Failure, format_report, read_failure, root_cause
-from agent.logs import LogSpec, RunLogDir, console_prefix, plan_attempt
+from agent.launches import build_launches, resolve_master
+from agent.logs import LogSpec, RunLogDir
 from agent.policy import Step, WorkerState, next_step, restart_refunded
-from agent.ranks import RoleInfo, Store, exchange_ranks, publish_master
+from agent.ranks import RoleInfo, Store, exchange_ranks
 from agent.workers import (
     GroupInfo,
     WorkerGroup,
-    WorkerLaunch,
     WorkerStartError,
-    build_argv,
     omp_num_threads,
-    worker_env,
 )
 
 __all__ = ["Agent", "Interrupted", "signal_exit_code"]
@@ -385,16 +383,7 @@ class Agent:
                 store, RoleInfo(config.role, group_rank, config.nproc_per_node), group_world_size
             )
             use_agent_store = bool(self._handler.use_agent_store)
-            bootstrap = getattr(info, "bootstrap_store_info", None)
-            if bootstrap is not None and bootstrap.master_port:
-                # The handler already agreed on rank 0's address (torch's handlers, ours);
-                # with an agent store the workers must connect exactly there.
-                master_addr = config.master_addr or bootstrap.master_addr
-                master_port = config.master_port or bootstrap.master_port
-            else:
-                master_addr, master_port = publish_master(
-                    store, group_rank, config.local_addr, config.master_addr, config.master_port
-                )
+            master_addr, master_port = resolve_master(config, info, store, group_rank)
         finally:
             self._blocking = False
         if self._stop_signal is not None:
@@ -412,31 +401,10 @@ class Agent:
             run_id=self._handler.get_run_id(),
             use_agent_store=use_agent_store,
         )
-        local_ranks = range(config.nproc_per_node)
-        attempt_dir = self._logdir.attempt(self._attempt, local_ranks)
-        ranks = {lr: assignment.worker(lr) for lr in local_ranks}
-        prefix_template = self._logspec.prefix_template
-        prefixes = {
-            lr: console_prefix(prefix_template, config.role, r.global_rank, lr)
-            for lr, r in ranks.items()
-        }
-        plans = plan_attempt(self._logspec, attempt_dir, prefixes)
-        launches = [
-            WorkerLaunch(
-                ranks=ranks[lr],
-                argv=build_argv(
-                    config.entrypoint,
-                    config.args,
-                    module=config.module,
-                    no_python=config.no_python,
-                    run_path=config.run_path,
-                    local_rank=lr,
-                ),
-                env=worker_env(self._base_env, group, ranks[lr], plans[lr].error_file),
-                logs=plans[lr],
-            )
-            for lr in local_ranks
-        ]
+        attempt_dir = self._logdir.attempt(self._attempt, range(config.nproc_per_node))
+        launches = build_launches(
+            config, group, assignment, self._logspec, attempt_dir, self._base_env
+        )
         log.info(
             "%s: round complete: group %d of %d, master %s:%d, global ranks %s, "
             "restart count %d, logs in %s",
@@ -445,7 +413,7 @@ class Agent:
             group_world_size,
             master_addr,
             master_port,
-            [r.global_rank for r in ranks.values()],
+            [launch.ranks.global_rank for launch in launches],
             self.restart_count,
             attempt_dir,
         )
