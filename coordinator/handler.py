@@ -43,7 +43,12 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from coordinator.closing import close_run
 from coordinator.duty import CoordinatorDuty, Membership
-from coordinator.errors import JoinTimeoutError, RendezvousError, RunClosedError
+from coordinator.errors import (
+    JoinTimeoutError,
+    LeaseLostError,
+    RendezvousError,
+    RunClosedError,
+)
 from coordinator.etcd_client import EtcdClient
 from coordinator.etcd_server import free_port
 from coordinator.keys import make_node_id
@@ -155,41 +160,58 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._duty.poke()
         self._notify()
 
+    def _live_session(self) -> tuple[Session, bool]:
+        """This node's session, a new one if it has none or lost it; and whether it is new."""
+        with self._lock:
+            old = self._session
+            if old is not None and not old.lost():
+                return old, False
+            if old is not None:
+                old.close(revoke=False)
+            self._session = Session(self._etcd(), self._settings.lease_ttl, self._on_session_lost)
+            return self._session, True
+
     def _write_node(self, wanted_round: int) -> None:
         """Write this node's key asking for ``wanted_round``, with a live lease."""
         client = self._etcd()
-        with self._lock:
-            old = self._session
-            fresh = old is None or old.lost()
-            if old is not None and fresh:
-                old.close(revoke=False)
-            session = (
-                Session(client, self._settings.lease_ttl, self._on_session_lost)
-                if fresh or old is None
-                else old
-            )
-            self._session = session
-        record = NodeInfo(
-            node_id=self.node_id,
-            wanted_round=wanted_round,
-            addr=self._addr,
-            hostname=self._hostname,
-            pid=os.getpid(),
-            local_world_size=self.local_world_size,
-            role=self.role,
-            lease_id=session.lease_id,
-            started_at_unix_ms=self._started_ms,
-            free_port=free_port(""),
-        )
         key = self._keys.node(self.node_id)
-        client.put(key, encode_node(record), lease=session.lease_id)
-        if fresh:
-            kv, _ = client.get(key)
-            create_revision = kv.create_revision if kv is not None else 0
-            with self._lock:
-                self._membership = Membership(self.node_id, key, create_revision)
-            if self._duty is not None:
-                self._duty.poke()
+        for _ in range(3):
+            session, fresh = self._live_session()
+            record = NodeInfo(
+                node_id=self.node_id,
+                wanted_round=wanted_round,
+                addr=self._addr,
+                hostname=self._hostname,
+                pid=os.getpid(),
+                local_world_size=self.local_world_size,
+                role=self.role,
+                lease_id=session.lease_id,
+                started_at_unix_ms=self._started_ms,
+                free_port=free_port(""),
+            )
+            try:
+                client.put(key, encode_node(record), lease=session.lease_id)
+            except LeaseLostError as exc:
+                # The lease expired between grant and put (a process starved for a TTL):
+                # drop it and ask again with a new one.
+                log.warning("node %s: %s; taking a new lease", self.node_id, exc)
+                with self._lock:
+                    if self._session is session:
+                        self._session = None
+                session.close(revoke=False)
+                continue
+            if fresh:
+                kv, _ = client.get(key)
+                create_revision = kv.create_revision if kv is not None else 0
+                with self._lock:
+                    self._membership = Membership(self.node_id, key, create_revision)
+                if self._duty is not None:
+                    self._duty.poke()
+            return
+        raise LeaseLostError(
+            f"node {self.node_id}: three leases in a row expired before this node could use "
+            f"them (lease_ttl={self._settings.lease_ttl} s); is the machine overloaded?"
+        )
 
     def _session_lost(self) -> bool:
         with self._lock:

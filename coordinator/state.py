@@ -10,6 +10,7 @@ that is not valid JSON of our schema, or has a newer ``schema_version``, raises
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Literal
@@ -165,7 +166,16 @@ def encode_state(state: RdzvState) -> bytes:
 
 
 def decode_state(key: str, raw: bytes) -> RdzvState:
-    """Decode the state key's value; raises CorruptValueError naming ``key``."""
+    """Decode the state key's value; raises CorruptValueError naming ``key``.
+
+    Cached per process (the value is immutable): every node of a process that watches the
+    same run decodes each new state once, not once per node.
+    """
+    return _decode_state_cached(key, raw)
+
+
+@functools.lru_cache(maxsize=16)
+def _decode_state_cached(key: str, raw: bytes) -> RdzvState:
     msg = pb.RendezvousState()
     _parse(key, raw, msg)
     ranks = [p.rank for p in msg.participants]

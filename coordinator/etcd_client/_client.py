@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 from etcd3 import etcdrpc
 
-from coordinator.errors import EtcdConnectionError
+from coordinator.errors import EtcdConnectionError, LeaseLostError
 from coordinator.etcd_client._connection import _Connection
 from coordinator.etcd_client._failover import NOT_FOUND, _status, classify_status
 from coordinator.etcd_client._keepalive import KeepAlive
@@ -235,6 +235,8 @@ class EtcdClient(_Connection):
                 lambda s, t, m: s.lease.LeaseRevoke(request, timeout=t, metadata=m),
                 budget=budget,
             )
+        except LeaseLostError:
+            return  # already gone: what revoking wanted
         except EtcdConnectionError as exc:
             if (
                 isinstance(exc.__cause__, grpc.RpcError)

@@ -12,11 +12,12 @@ from typing import Any
 import grpc
 from etcd3 import etcdrpc
 
-from coordinator.errors import EtcdAuthError, EtcdConnectionError, EtcdTLSError
+from coordinator.errors import EtcdAuthError, EtcdConnectionError, EtcdTLSError, LeaseLostError
 from coordinator.etcd_client._failover import (
     AUTH_DISABLED,
     AUTH_FAILED,
     AUTH_REQUIRED,
+    NOT_FOUND,
     PERMISSION,
     REAUTH,
     T,
@@ -263,6 +264,10 @@ class _Connection:
             return EtcdAuthError(
                 f"etcd refused {what}{on_key}: {details}; etcd has auth enabled: "
                 "set the user and password settings"
+            )
+        if kind == NOT_FOUND and "lease not found" in details.lower():
+            return LeaseLostError(
+                f"etcd has no lease for {what}{on_key} ({details}): it expired or was revoked"
             )
         if code == grpc.StatusCode.CANCELLED and self._closed.is_set():
             return EtcdConnectionError(f"the etcd client was closed during {what}{on_key}")

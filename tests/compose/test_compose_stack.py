@@ -7,6 +7,7 @@ and downs it with its volumes. Run them with ``scripts/compose_test``.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 import uuid
@@ -52,11 +53,16 @@ def _participant_ids(state: dict[str, Any]) -> list[str]:
     return [p["node_id"] for p in sorted(state["participants"], key=lambda p: p.get("rank", 0))]
 
 
+def _pid_in_node_id(node_id: str) -> int | None:
+    match = re.search(r"-(\d+)-\d+(?:-[0-9a-f]+)?$", node_id)
+    return int(match.group(1)) if match else None
+
+
 def _node_id_of(stack: ComposeStack, container: str) -> str:
     # The hostnet override shares the host's pid namespace, so the container's main
-    # process (etcdrun) has the pid that its node id carries: "<host>-<pid>-<counter>".
+    # process (etcdrun) has the pid that its node id carries: "<host>-<pid>-<counter>-<tag>".
     pid = stack.host_pid(container)
-    ids = [n for n in stack.node_ids() if n.rsplit("-", 2)[1] == str(pid)]
+    ids = [n for n in stack.node_ids() if _pid_in_node_id(n) == pid]
     assert len(ids) == 1, f"no single node id with pid {pid} among {stack.node_ids()}"
     return ids[0]
 

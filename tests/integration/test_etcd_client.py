@@ -554,3 +554,14 @@ def test_tls_connection_and_refused_handshake(tmp_path: Path, prefix: bytes) -> 
                            request_timeout=1.0, retry_budget=1.0, **files)  # fmt: skip
         with wrong_ca, pytest.raises(EtcdTLSError, match=r"no etcd member answered get within 1 s"):
             wrong_ca.get(prefix + b"tls")
+
+
+def test_put_on_an_expired_lease_raises_lease_lost(etcd1: EtcdCluster) -> None:
+    from coordinator.errors import LeaseLostError
+
+    with EtcdClient(EtcdConfig(endpoints=tuple(etcd1.endpoints))) as client:
+        lease = client.lease_grant(5)
+        client.lease_revoke(lease)
+        with pytest.raises(LeaseLostError, match="it expired or was revoked"):
+            client.put(b"/etcd-elastic-test/lease-gone", b"x", lease=lease)
+        client.lease_revoke(lease)  # revoking a gone lease stays a no-op
