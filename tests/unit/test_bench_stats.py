@@ -118,8 +118,8 @@ def test_split_nodes_deals_round_robin() -> None:
 
 
 def test_formation_bound_grows_with_nodes() -> None:
-    assert formation_bound(0) == 20.0
-    assert formation_bound(1000) == pytest.approx(60.0)
+    assert formation_bound(0) == 10.0
+    assert formation_bound(1000) == pytest.approx(30.0)
     assert formation_bound(32) < formation_bound(512) < formation_bound(1000)
 
 
