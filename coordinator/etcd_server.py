@@ -33,6 +33,7 @@ __all__ = [
     "EtcdCluster",
     "EtcdMember",
     "EtcdStartError",
+    "MemberHttp",
     "find_etcd_binary",
     "free_port",
     "wait_members_healthy",
@@ -119,16 +120,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-@dataclass
-class EtcdMember:
-    """One etcd member process on loopback."""
+class MemberHttp:
+    """Addresses and HTTP probes of an etcd member, wherever it runs (process, container).
 
-    name: str
+    Needs ``host``, ``client_port`` and ``peer_port`` attributes.
+    """
+
+    host: str
     client_port: int
     peer_port: int
-    data_dir: Path
-    host: str = "127.0.0.1"
-    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
     def endpoint(self) -> str:
@@ -143,10 +143,6 @@ class EtcdMember:
     def peer_url(self) -> str:
         return f"http://{self.host}:{self.peer_port}"
 
-    @property
-    def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
     def healthy(self, timeout: float = 1.0) -> bool:
         """Whether the member answers ``/health`` with ``true`` (it has a leader)."""
         try:
@@ -160,6 +156,23 @@ class EtcdMember:
         with urllib.request.urlopen(f"{self.client_url}/metrics", timeout=timeout) as rsp:
             text: str = rsp.read().decode()
             return text
+
+
+@dataclass
+class EtcdMember(MemberHttp):
+    """One etcd member process on loopback."""
+
+    name: str
+    client_port: int
+    peer_port: int
+    data_dir: Path
+    host: str = "127.0.0.1"
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
 
 
 class _Member(Protocol):

@@ -52,6 +52,7 @@ from coordinator.errors import (
 from coordinator.etcd_client import EtcdClient
 from coordinator.etcd_server import free_port
 from coordinator.keys import make_node_id
+from coordinator.listeners import Listeners
 from coordinator.session import Session
 from coordinator.settings import RendezvousSettings
 from coordinator.state import CloseMode, NodeInfo, RdzvState, encode_node
@@ -110,7 +111,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._duty: CoordinatorDuty | None = None
         self._session: Session | None = None
         self._membership: Membership | None = None
-        self._listeners: list[Callable[[], None]] = []
+        self._listeners = Listeners()
         self._left = False
         self._started_ms = int(time.time() * 1000)
 
@@ -145,13 +146,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             return self._membership
 
     def _notify(self) -> None:
-        with self._lock:
-            listeners = list(self._listeners)
-        for listener in listeners:
-            try:
-                listener()
-            except Exception:  # a listener's bug must not break the watch thread
-                log.exception("rendezvous listener failed")
+        self._listeners.notify()
 
     def _on_session_lost(self) -> None:
         if self._view is not None:
@@ -350,15 +345,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     def subscribe(self, callback: Callable[[], None]) -> Callable[[], None]:
         """Call ``callback`` whenever ``num_nodes_waiting()`` may have changed."""
-        with self._lock:
-            self._listeners.append(callback)
-
-        def unsubscribe() -> None:
-            with self._lock:
-                if callback in self._listeners:
-                    self._listeners.remove(callback)
-
-        return unsubscribe
+        return self._listeners.subscribe(callback)
 
     @property
     def is_coordinator(self) -> bool:

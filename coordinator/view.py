@@ -18,13 +18,12 @@ from collections.abc import Callable
 
 from coordinator.errors import CorruptValueError
 from coordinator.etcd_client import EtcdClient, KeyValue, Watch, WatchEvent
+from coordinator.listeners import Listener, Listeners
 from coordinator.state import RdzvState, decode_state
 
 __all__ = ["StateView"]
 
 log = logging.getLogger(__name__)
-
-Listener = Callable[[], None]
 
 
 class StateView:
@@ -44,7 +43,7 @@ class StateView:
         self._mod_revision = 0
         self._seen_revision = 0  # highest etcd revision reflected (changes or not)
         self._error: CorruptValueError | None = None
-        self._listeners: list[Listener] = []
+        self._listeners = Listeners()
         self._watch: Watch | None = None
         self._closed = False
 
@@ -102,10 +101,8 @@ class StateView:
                     log.error("%s", exc)
                     self._error = exc
                 self._mod_revision = kv.mod_revision
-            listeners = list(self._listeners)
             self._cond.notify_all()
-        for listener in listeners:
-            listener()
+        self._listeners.notify()
 
     def offer(self, kv: KeyValue | None, revision: int) -> None:
         """Tell the view about a value read or written outside the watch (it may be newer)."""
@@ -118,10 +115,8 @@ class StateView:
                 return
             self._seen_revision = mod_revision
             self._state, self._mod_revision, self._error = state, mod_revision, None
-            listeners = list(self._listeners)
             self._cond.notify_all()
-        for listener in listeners:
-            listener()
+        self._listeners.notify()
 
     # -- reads -------------------------------------------------------------------------
 
@@ -184,12 +179,4 @@ class StateView:
 
     def subscribe(self, listener: Listener) -> Callable[[], None]:
         """Call ``listener`` after every change; returns the function that unsubscribes."""
-        with self._cond:
-            self._listeners.append(listener)
-
-        def unsubscribe() -> None:
-            with self._cond:
-                if listener in self._listeners:
-                    self._listeners.remove(listener)
-
-        return unsubscribe
+        return self._listeners.subscribe(listener)

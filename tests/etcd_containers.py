@@ -26,13 +26,11 @@ import os
 import random
 import socket
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.etcd_server import EtcdStartError, wait_members_healthy
+from coordinator.etcd_server import EtcdStartError, MemberHttp, wait_members_healthy
 
 __all__ = [
     "ETCD_IMAGE",
@@ -147,7 +145,7 @@ def _alive(pid: int) -> bool:
 
 
 @dataclass
-class EtcdMemberContainer:
+class EtcdMemberContainer(MemberHttp):
     """One etcd member in its own container, on the host's loopback."""
 
     name: str
@@ -155,19 +153,6 @@ class EtcdMemberContainer:
     peer_port: int
     host: str = "127.0.0.1"
     container: Any = field(default=None, repr=False)  # testcontainers' DockerContainer
-
-    @property
-    def endpoint(self) -> str:
-        """``host:port`` of the client URL, as ``--rdzv-endpoint`` takes it."""
-        return f"{self.host}:{self.client_port}"
-
-    @property
-    def client_url(self) -> str:
-        return f"http://{self.host}:{self.client_port}"
-
-    @property
-    def peer_url(self) -> str:
-        return f"http://{self.host}:{self.peer_port}"
 
     def status(self) -> str:
         """docker's word for the container's state now (``running``, ``exited``, ...)."""
@@ -181,19 +166,6 @@ class EtcdMemberContainer:
     def running(self) -> bool:
         return self.status() == "running"
 
-    def healthy(self, timeout: float = 1.0) -> bool:
-        """Whether the member answers ``/health`` with ``true`` (it has a leader)."""
-        try:
-            with urllib.request.urlopen(f"{self.client_url}/health", timeout=timeout) as rsp:
-                return b'"true"' in rsp.read()
-        except (urllib.error.URLError, OSError, ValueError):
-            return False
-
-    def metrics(self, timeout: float = 5.0) -> str:
-        """The Prometheus text of the member's ``/metrics``."""
-        with urllib.request.urlopen(f"{self.client_url}/metrics", timeout=timeout) as rsp:
-            text: str = rsp.read().decode()
-            return text
 
     def logs(self, lines: int = 20) -> str:
         if self.container is None:
