@@ -31,6 +31,24 @@ _LAST_CALL_FORMATION_S = 1
 FORMATION_SLOW_S = 15.0
 
 
+def _measure_pooled(
+    args: argparse.Namespace,
+    run: Callable[[System, int], Sample],
+    shared: dict[str, Any],
+    pool: GroupPool,
+) -> dict[str, dict[str, Any]]:
+    """``measure`` with the common options; the pool's node processes end per system."""
+    return measure(
+        args.systems,
+        run,
+        args.repeat,
+        shared,
+        lease_ttl=args.lease_ttl,
+        client=args.client,
+        after_system=pool.close,
+    )
+
+
 def formation_bound(nodes: int) -> float:
     """The most one formation of ``nodes`` may take before it counts as failed, s.
 
@@ -118,15 +136,7 @@ def scale_up(args: argparse.Namespace) -> Result:
         "agent's monitor interval); time from the new node's "
         f"call to the last of the {nodes + 1} returning with world size {nodes + 1}. {_REUSE}"
     )
-    systems = measure(
-        args.systems,
-        run,
-        args.repeat,
-        shared,
-        lease_ttl=args.lease_ttl,
-        client=args.client,
-        after_system=pool.close,
-    )
+    systems = _measure_pooled(args, run, shared, pool)
     for name, entry in systems.items():
         if name != "etcd-v3":
             entry["config"]["env"] = dict(rendezvous.TORCH_SCALE_UP_ENV)
@@ -154,15 +164,7 @@ def node_loss(args: argparse.Namespace) -> Result:
         f"of the {nodes - 1} survivors returning with world size {nodes - 1}. {_REUSE} "
         "The killed process is restarted before the next repeat."
     )
-    systems = measure(
-        args.systems,
-        run,
-        args.repeat,
-        shared,
-        lease_ttl=args.lease_ttl,
-        client=args.client,
-        after_system=pool.close,
-    )
+    systems = _measure_pooled(args, run, shared, pool)
     return _result("node-loss", f"N={nodes}", "seconds", method, systems)
 
 
@@ -181,15 +183,7 @@ def idle(args: argparse.Namespace) -> Result:
         "threads, divided by N); figures give it as % of one core, the server's CPU, "
         f"etcd gRPC messages received per second per node, and torch's backend calls. {_REUSE}"
     )
-    systems = measure(
-        args.systems,
-        run,
-        args.repeat,
-        shared,
-        lease_ttl=args.lease_ttl,
-        client=args.client,
-        after_system=pool.close,
-    )
+    systems = _measure_pooled(args, run, shared, pool)
     return _result("idle", f"N={nodes}, {seconds:g} s", "CPU seconds per node", method, systems)
 
 
