@@ -26,9 +26,10 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 __all__ = [
+    "ClusterAddresses",
     "EtcdBinaryNotFoundError",
     "EtcdCluster",
     "EtcdMember",
@@ -209,7 +210,22 @@ def wait_members_healthy(
             time.sleep(poll)
 
 
-class EtcdCluster:
+class ClusterAddresses(Generic[M]):
+    """``endpoints`` and ``endpoint_list`` of any set of members (processes, containers)."""
+
+    members: list[M]
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [m.endpoint for m in self.members]
+
+    @property
+    def endpoint_list(self) -> str:
+        """Comma-separated ``host:port`` list for ``--rdzv-endpoint``."""
+        return ",".join(self.endpoints)
+
+
+class EtcdCluster(ClusterAddresses[EtcdMember]):
     """A set of etcd members on loopback: one for ``--standalone``, three for failover tests.
 
     Use as a context manager, or call :meth:`start` and :meth:`stop` (stop is idempotent
@@ -251,14 +267,6 @@ class EtcdCluster:
 
     # -- addresses ---------------------------------------------------------------------
 
-    @property
-    def endpoints(self) -> list[str]:
-        return [m.endpoint for m in self.members]
-
-    @property
-    def endpoint_list(self) -> str:
-        """Comma-separated ``host:port`` list for ``--rdzv-endpoint``."""
-        return ",".join(self.endpoints)
 
     def _initial_cluster(self) -> str:
         return ",".join(f"{m.name}={m.peer_url}" for m in self.members)

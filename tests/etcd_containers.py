@@ -30,7 +30,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.etcd_server import EtcdStartError, MemberHttp, wait_members_healthy
+from coordinator.etcd_server import (
+    ClusterAddresses,
+    EtcdStartError,
+    MemberHttp,
+    wait_members_healthy,
+)
 
 __all__ = [
     "ETCD_IMAGE",
@@ -175,7 +180,7 @@ class EtcdMemberContainer(MemberHttp):
         return "\n".join(text.splitlines()[-lines:])
 
 
-class EtcdContainers:
+class EtcdContainers(ClusterAddresses[EtcdMemberContainer]):
     """``size`` etcd members in containers; :meth:`stop` always removes every one."""
 
     def __init__(
@@ -193,14 +198,6 @@ class EtcdContainers:
             for i in range(size)
         ]
 
-    @property
-    def endpoints(self) -> list[str]:
-        return [m.endpoint for m in self.members]
-
-    @property
-    def endpoint_list(self) -> str:
-        """Comma-separated ``host:port`` list for ``--rdzv-endpoint``."""
-        return ",".join(self.endpoints)
 
     def _command(self, member: EtcdMemberContainer) -> list[str]:
         cluster = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
