@@ -14,6 +14,7 @@ by its exit code or signal. The file is only parsed as JSON, never executed.
 from __future__ import annotations
 
 import json
+import math
 import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ class Failure:
         message: one line: the exception (``RuntimeError: boom``) or what killed it.
         traceback: the worker's Python traceback, or "" when unknown.
         timestamp: seconds since the epoch when it failed (from the file, else observed).
+            torch's ``@record`` writes whole seconds.
+        exited_at: when the agent saw the process exit (seconds since the epoch).
     """
 
     global_rank: int
@@ -47,6 +50,7 @@ class Failure:
     message: str
     traceback: str
     timestamp: float
+    exited_at: float
 
     @property
     def signal_name(self) -> str | None:
@@ -115,6 +119,7 @@ def read_failure(
             _exit_message(exitcode, pid),
             "",
             observed_at,
+            observed_at,
         )
     try:
         parsed = _parse(json.loads(path.read_text(encoding="utf-8", errors="replace")))
@@ -126,7 +131,9 @@ def read_failure(
     if parsed is None:
         head = _exit_message(exitcode, pid, hint=False)
         message = f"{head} (error file {str(path)!r} unreadable: {reason})"
-        return Failure(global_rank, local_rank, pid, exitcode, str(path), message, "", observed_at)
+        return Failure(
+            global_rank, local_rank, pid, exitcode, str(path), message, "", observed_at, observed_at
+        )
     message, traceback, timestamp = parsed
     return Failure(
         global_rank,
@@ -137,18 +144,26 @@ def read_failure(
         message,
         traceback,
         timestamp or observed_at,
+        observed_at,
     )
 
 
 def root_cause(failures: Mapping[int, Failure]) -> Failure:
-    """The first failure: earliest timestamp, then lowest global rank.
+    """The first failure: earliest second, then earliest exit, then lowest global rank.
+
+    Error files carry whole seconds, so two workers failing in the same second tie on
+    the timestamp. The one that exited first is the cause: a worker whose collective
+    broke because a peer died exits after that peer (torch breaks the tie by the lowest
+    rank instead, and so often blames the victim).
 
     Raises:
         ValueError: ``failures`` is empty.
     """
     if not failures:
         raise ValueError("root_cause: no failures to choose from")
-    return min(failures.values(), key=lambda f: (f.timestamp, f.global_rank))
+    return min(
+        failures.values(), key=lambda f: (math.floor(f.timestamp), f.exited_at, f.global_rank)
+    )
 
 
 def _describe(failure: Failure, hostname: str) -> list[str]:

@@ -30,7 +30,7 @@ def test_record_format(tmp_path: Path) -> None:
         global_rank=3, local_rank=1, pid=42, exitcode=1, error_file=path, observed_at=T0
     )
     assert f == Failure(
-        3, 1, 42, 1, path, "RuntimeError: boom", "Traceback:\n  line 1\nboom", 1_700_000_005.0
+        3, 1, 42, 1, path, "RuntimeError: boom", "Traceback:\n  line 1\nboom", 1_700_000_005.0, T0
     )
     assert f.signal_name is None
 
@@ -88,13 +88,24 @@ def test_bad_file_is_reported_not_raised(tmp_path: Path, content: str, reason: s
     )
 
 
-def _f(rank: int, ts: float) -> Failure:
-    return Failure(rank, rank, 100 + rank, 1, None, f"err {rank}", "", ts)
+def _f(rank: int, ts: float, exited_at: float | None = None) -> Failure:
+    exited = ts if exited_at is None else exited_at
+    return Failure(rank, rank, 100 + rank, 1, None, f"err {rank}", "", ts, exited)
 
 
 def test_root_cause_earliest_then_lowest_rank() -> None:
     assert root_cause({2: _f(2, 5.0), 1: _f(1, 6.0)}).global_rank == 2
     assert root_cause({2: _f(2, 5.0), 1: _f(1, 5.0)}).global_rank == 1
+
+
+def test_root_cause_same_second_the_first_to_exit_is_the_cause() -> None:
+    """Rank 3 raised; rank 2's collective broke in the same second and it exited later."""
+    culprit, victim = _f(3, 1000.0, exited_at=1000.31), _f(2, 1000.0, exited_at=1000.52)
+    assert root_cause({2: victim, 3: culprit}) is culprit
+    # A file's whole second still comes first: an earlier second wins over an earlier exit.
+    assert root_cause({2: _f(2, 999.0, 1000.9), 3: _f(3, 1000.0, 1000.1)}).global_rank == 2
+    # A failure without a file (observed time, fractional) ties with files of its second.
+    assert root_cause({2: _f(2, 1000.0, 1000.6), 3: _f(3, 1000.4, 1000.4)}).global_rank == 3
     with pytest.raises(ValueError, match=r"^root_cause: no failures to choose from$"):
         root_cause({})
 
