@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from coordinator.errors import CorruptValueError, RendezvousError
 from coordinator.etcd_client import EtcdClient, Watch, WatchEvent
 from coordinator.keys import RunKeys
-from coordinator.state import NodeInfo, decode_node, encode_state
+from coordinator.node_table import NodeTable
+from coordinator.state import encode_state
 from coordinator.transitions import Limits, apply, decide_coordinator
 from coordinator.view import StateView
 
@@ -90,9 +91,8 @@ class CoordinatorDuty:
         self._wall_ms = wall_ms
         self._stop = threading.Event()
         self._signal = _Signal()
-        self._nodes: dict[str, NodeInfo] = {}
+        self._nodes = NodeTable()
         self._nodes_lock = threading.Lock()
-        self._node_id_by_key: dict[bytes, str] = {}
         self._resync = threading.Event()
         self.is_leader = False
         self.commits = 0
@@ -156,11 +156,13 @@ class CoordinatorDuty:
             gone.set()  # re-check from scratch
             self._signal.set()
 
-        kv, rev = self._client.get(predecessor)
-        if kv is None:
-            return False
-        watch = self._client.watch(predecessor, rev + 1, on_events, on_compacted)
+        # Watch from now, then check the key is still there (see Watch.wait_created).
+        watch = self._client.watch(predecessor, 0, on_events, on_compacted)
         try:
+            watch.wait_created()
+            kv, _ = self._client.get(predecessor)
+            if kv is None:
+                return False
             while not (self._stop.is_set() or gone.is_set()):
                 current = self._membership()
                 if current is None or current.create_revision != me.create_revision:
@@ -172,8 +174,8 @@ class CoordinatorDuty:
 
     def _lead(self, me: Membership) -> None:
         log.info("node %s coordinates run %s", me.node_id, self._keys.run_id)
-        self.is_leader = True
         watch = self._watch_nodes()
+        self.is_leader = True
         deadline: float | None = None
         deadline_round = -1
         try:
@@ -186,7 +188,7 @@ class CoordinatorDuty:
                     return  # the node watch was compacted: lead again from a fresh read
                 state, mod_revision = self._view.snapshot()
                 with self._nodes_lock:
-                    nodes = dict(self._nodes)
+                    nodes = self._nodes.snapshot()
                 now = self._clock()
                 if deadline_round != state.round:
                     # Another coordinator moved the run on: a last call belongs to the round
@@ -227,7 +229,7 @@ class CoordinatorDuty:
             self.is_leader = False
             watch.cancel()
             with self._nodes_lock:
-                self._nodes.clear()
+                self._nodes.reset()
 
     def _stale_store_prefixes(self, old_round: int, new_round: int) -> list[bytes]:
         # When round R completes, round R-1's store may still be read by an agent finishing
@@ -239,39 +241,32 @@ class CoordinatorDuty:
     # -- node keys ---------------------------------------------------------------------
 
     def _watch_nodes(self) -> Watch:
-        kvs, revision = self._client.get_prefix(self._keys.nodes_prefix)
+        """Watch the node keys from now, then read them all (see :class:`NodeTable`)."""
         with self._nodes_lock:
-            self._nodes.clear()
-            self._node_id_by_key.clear()
-            for kv in kvs:
-                self._put_node(kv.key, kv.value, kv.create_revision)
-        return self._client.watch(
+            self._nodes.reset()
+        watch = self._client.watch(
             self._keys.nodes_prefix,
-            revision + 1,
+            0,
             self._on_node_events,
             self._on_nodes_compacted,
             prefix=True,
         )
-
-    def _put_node(self, key: bytes, value: bytes, create_revision: int) -> None:
         try:
-            node = decode_node(key.decode(errors="replace"), value, create_revision)
-        except CorruptValueError as exc:
-            log.warning("ignoring node key: %s", exc)
-            return
-        self._nodes[node.node_id] = node
-        self._node_id_by_key[key] = node.node_id
+            watch.wait_created()
+            kvs, revision = self._client.get_prefix(self._keys.nodes_prefix)
+        except BaseException:
+            watch.cancel()
+            raise
+        with self._nodes_lock:
+            self._nodes.load(kvs, revision)
+        self._signal.set()
+        return watch
 
     def _on_node_events(self, events: list[WatchEvent], _revision: int) -> None:
         with self._nodes_lock:
-            for event in events:
-                if event.kind == "put":
-                    self._put_node(event.kv.key, event.kv.value, event.kv.create_revision)
-                else:
-                    node_id = self._node_id_by_key.pop(event.kv.key, None)
-                    if node_id is not None:
-                        self._nodes.pop(node_id, None)
-        self._signal.set()
+            applied = self._nodes.apply(events)
+        if applied:
+            self._signal.set()
 
     def _on_nodes_compacted(self, _revision: int) -> None:
         # Leading again re-reads every node key and watches from there.

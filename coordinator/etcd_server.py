@@ -175,7 +175,6 @@ class EtcdMember(MemberHttp):
         return self.process is not None and self.process.poll() is None
 
 
-
 class _Member(Protocol):
     name: str
 
@@ -266,7 +265,6 @@ class EtcdCluster(ClusterAddresses[EtcdMember]):
         ]
 
     # -- addresses ---------------------------------------------------------------------
-
 
     def _initial_cluster(self) -> str:
         return ",".join(f"{m.name}={m.peer_url}" for m in self.members)

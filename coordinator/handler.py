@@ -100,9 +100,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._clock = clock
         self._hostname = socket.gethostname()
         self._addr = settings.local_addr or socket.getfqdn()
-        self.node_id = make_node_id(
-            self._hostname, os.getpid(), next(_node_counter), _PROCESS_TAG
-        )
+        self.node_id = make_node_id(self._hostname, os.getpid(), next(_node_counter), _PROCESS_TAG)
         self.local_world_size = local_world_size
         self.role = role
         self._limits = Limits(settings.min_nodes, settings.max_nodes, settings.last_call_timeout)
@@ -185,7 +183,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 free_port=free_port(""),
             )
             try:
-                client.put(key, encode_node(record), lease=session.lease_id)
+                create_revision = client.put_created(
+                    key, encode_node(record), lease=session.lease_id
+                )
             except LeaseLostError as exc:
                 # The lease expired between grant and put (a process starved for a TTL):
                 # drop it and ask again with a new one.
@@ -196,8 +196,6 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 session.close(revoke=False)
                 continue
             if fresh:
-                kv, _ = client.get(key)
-                create_revision = kv.create_revision if kv is not None else 0
                 with self._lock:
                     self._membership = Membership(self.node_id, key, create_revision)
                 if self._duty is not None:

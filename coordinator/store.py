@@ -38,6 +38,7 @@ from torch.distributed import (  # type: ignore[attr-defined]
     Store,
 )
 
+from coordinator.errors import EtcdConnectionError
 from coordinator.etcd_client import EtcdClient, KeyValue, WatchEvent
 from coordinator.keys import decode_store_key, join_store_key, round_store_prefix
 
@@ -284,61 +285,49 @@ class EtcdStore(Store):
         return found
 
     def _wait_one(self, etcd_key: bytes, deadline: float) -> KeyValue | None:
-        """The key's value once it exists, or None at ``deadline``."""
-        kv, revision = self._client.get(etcd_key)
-        while kv is None:
-            remaining = deadline - self._clock()
-            if remaining <= 0:
-                return None
-            kv, revision, compacted = self._watch_for_put(etcd_key, revision + 1, remaining)
-            if compacted:
-                # The history we asked for is gone: read the present and watch again.
-                kv, revision = self._client.get(etcd_key)
-        return kv
-
-    def _watch_for_put(
-        self, etcd_key: bytes, start_revision: int, timeout: float
-    ) -> tuple[KeyValue | None, int, bool]:
-        """Wait for a put on ``etcd_key`` from ``start_revision``.
-
-        Returns (kv or None on timeout, last revision seen, whether history was compacted).
+        """The key's value once it exists, or None at ``deadline``.
 
         Raises:
             the error etcd cancelled the watch with (a ``coordinator.errors`` type).
         """
+        kv, _ = self._client.get(etcd_key)
+        if kv is not None:
+            return kv
+        # Absent: watch from now, then read again (a watch from a past revision would
+        # wait for etcd's catch-up pass, up to 100 ms; see Watch.wait_created).
         arrived = threading.Event()
         box: list[KeyValue] = []
-        seen = [start_revision - 1]
-        compacted = [False]
         errors: list[Exception] = []
 
-        def on_events(events: list[WatchEvent], revision: int) -> None:
-            seen[0] = max(seen[0], revision)
+        def on_events(events: list[WatchEvent], _revision: int) -> None:
             for event in events:
                 if event.kind == "put" and event.kv.key == etcd_key:
                     box.append(event.kv)
                     arrived.set()
                     return
 
-        def on_compacted(_revision: int) -> None:
-            compacted[0] = True
-            arrived.set()
-
         def on_error(error: Exception) -> None:
             # etcd cancelled the watch (e.g. permission lost): fail now, not at timeout.
             errors.append(error)
             arrived.set()
 
-        watch = self._client.watch(
-            etcd_key, start_revision, on_events, on_compacted, on_error=on_error
-        )
+        # A watch from now cannot meet a compaction (no history is asked for).
+        watch = self._client.watch(etcd_key, 0, on_events, lambda _rev: None, on_error=on_error)
         try:
-            arrived.wait(timeout)
+            watch.wait_created(max(deadline - self._clock(), 0.0))
+            kv, _ = self._client.get(etcd_key)
+            if kv is not None:
+                return kv
+            arrived.wait(max(deadline - self._clock(), 0.0))
+        except EtcdConnectionError:
+            if self._clock() >= deadline:
+                return None  # the watch was not even confirmed by the deadline
+            raise
         finally:
             watch.cancel()
         if errors and not box:
             raise errors[0]
-        return (box[0] if box else None), seen[0], compacted[0]
+        return box[0] if box else None
 
     # -- helpers -----------------------------------------------------------------------
 

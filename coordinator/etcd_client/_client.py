@@ -118,6 +118,18 @@ class EtcdClient(_Connection):
         rsp = self._unary("put", lambda s, t, m: s.kv.Put(request, timeout=t, metadata=m), key=key)
         return int(rsp.header.revision)
 
+    def put_created(self, key: bytes, value: bytes, *, lease: int = 0) -> int:
+        """Write ``key`` as :meth:`put` does; return the key's create revision.
+
+        One round trip: etcd returns the previous value, whose create revision the key
+        keeps; with no previous value the key was created by this put, at its revision.
+        """
+        request = etcdrpc.PutRequest(key=key, value=value, lease=lease, prev_kv=True)
+        rsp = self._unary("put", lambda s, t, m: s.kv.Put(request, timeout=t, metadata=m), key=key)
+        if rsp.HasField("prev_kv") and rsp.prev_kv.key:
+            return int(rsp.prev_kv.create_revision)
+        return int(rsp.header.revision)
+
     def _delete_range(self, what: str, key: bytes, range_end: bytes) -> tuple[int, int]:
         request = etcdrpc.DeleteRangeRequest(key=key, range_end=range_end)
         rsp = self._unary(

@@ -60,6 +60,10 @@ class _WatchState:
         self.prev_kv = prev_kv
         self.server_id: int | None = None
         self.cancelled = False
+        # Set once etcd has created the watch (or refused it: then ``error`` says why).
+        self.created = threading.Event()
+        self.created_revision = 0
+        self.error: Exception | None = None
         self.auth_retried = False
         # Held while a callback runs, so cancel() from another thread returns only after
         # it: no callback of a cancelled watch starts later. Reentrant for cancel() from
@@ -78,6 +82,34 @@ class Watch:
     def next_revision(self) -> int:
         """The revision the watch would resume from (0: not yet created, from now)."""
         return self._state.next_rev
+
+    def wait_created(self, timeout: float | None = None) -> int:
+        """Block until etcd has created the watch; return the revision it was created at.
+
+        A watch from now (start revision 0) reports every change after that revision, so
+        a read issued after this returns misses nothing: read, then apply only events
+        newer than the read. That is the way to start watching a key whose value is
+        needed too. Reading first and then watching from the read's revision + 1 is
+        correct as well, but when anything was written in between, etcd files the watch
+        as "unsynced" and delivers its first events only on its next catch-up pass,
+        up to 100 ms later.
+
+        Args:
+            timeout: seconds; default: the client's retry budget.
+
+        Raises:
+            EtcdConnectionError: etcd did not confirm the watch in time.
+            EtcdAuthError: etcd refused the watch (the user may not read the key).
+        """
+        state = self._state
+        wait = self._watcher.retry_budget() if timeout is None else timeout
+        if not state.created.wait(wait):
+            raise EtcdConnectionError(
+                f"etcd did not confirm the watch on key {state.key!r} within {wait:g} s"
+            )
+        if state.error is not None:
+            raise state.error
+        return state.created_revision
 
     def cancel(self) -> None:
         """Stop the watch; no callback of it starts after this returns. Idempotent."""
@@ -132,6 +164,9 @@ class _Watcher:
                 self._thread = thread
             self._cond.notify_all()
 
+    def retry_budget(self) -> float:
+        return self._client.config.retry_budget
+
     def cancel(self, state: _WatchState) -> None:
         with state.lock:
             state.cancelled = True
@@ -161,6 +196,10 @@ class _Watcher:
         with self._cond:
             self._closed = True
             call, thread = self._call, self._thread
+            for state in self._watches:
+                if not state.created.is_set():
+                    state.error = EtcdConnectionError("the etcd client was closed")
+                    state.created.set()
             self._cond.notify_all()
         if call is not None:
             call.cancel()
@@ -236,6 +275,8 @@ class _Watcher:
             states = list(self._watches)
             self._watches.clear()
         for state in states:
+            state.error = error
+            state.created.set()
             self._deliver(state, functools.partial(_report, state, error))
 
     def _handle(self, rs: Any, metadata: Metadata) -> None:
@@ -252,6 +293,9 @@ class _Watcher:
                     self._by_id[rs.watch_id] = state
                     if state.next_rev == 0:
                         state.next_rev = int(rs.header.revision) + 1
+                    if not state.created.is_set():
+                        state.created_revision = int(rs.header.revision)
+                        state.created.set()
                     if not rs.events:
                         return
             else:
@@ -278,9 +322,12 @@ class _Watcher:
                         self._call.cancel()
                     return
         if rs.compact_revision:
+            state.created.set()
             self._deliver(state, lambda: state.on_compacted(int(rs.compact_revision)))
         elif rs.canceled:
             error = _watch_error(self._client.config, state, rs.cancel_reason)
+            state.error = error
+            state.created.set()
             self._deliver(state, lambda: _report(state, error))
         elif rs.events:
             events = [_event(ev) for ev in rs.events]

@@ -7,6 +7,7 @@ auth or need TLS start their own etcd and stop it even on failure.
 from __future__ import annotations
 
 import contextlib
+import re
 import shutil
 import subprocess
 import sys
@@ -222,14 +223,14 @@ def test_watch_delivers_puts_and_deletes_from_the_start_revision(
         assert rec.events[2].kv.mod_revision > rec.events[1].kv.mod_revision
 
         one = Recorder()
-        client.watch(prefix + b"b", 0, one.on_events, one.on_compacted)  # from now, one key
-        # The create is asynchronous: retry the write until the watch has seen one.
-        deadline = time.monotonic() + 10
-        while not one.events and time.monotonic() < deadline:
-            client.put(prefix + b"b", b"3")
-            with one.cond:
-                one.cond.wait_for(lambda: bool(one.events), 0.2)
-        assert one.events and one.events[0].kv.value == b"3"
+        now = client.watch(prefix + b"b", 0, one.on_events, one.on_compacted)  # one key
+        created_at = now.wait_created()
+        # Created at the present revision: nothing older comes, the next write does.
+        assert created_at >= rec.events[2].kv.mod_revision
+        assert now.next_revision == created_at + 1
+        written = client.put(prefix + b"b", b"3")
+        one.wait(lambda r: bool(r.events))
+        assert [(e.kv.value, e.kv.mod_revision) for e in one.events] == [(b"3", written)]
 
         watch.cancel()
         watch.cancel()
@@ -238,6 +239,70 @@ def test_watch_delivers_puts_and_deletes_from_the_start_revision(
         one_more = client.put(prefix + b"b", b"4")
         one.wait(lambda r: r.events[-1].kv.mod_revision == one_more)
         assert len(rec.events) == seen
+
+
+def test_watch_then_read_misses_nothing_while_a_writer_races(
+    etcd1: EtcdCluster, prefix: bytes
+) -> None:
+    """The pattern the view, the coordinator and the store use: watch from now, wait for
+    etcd to create it, read, then apply only events newer than the read."""
+    key = prefix + b"counter"
+    with _client(etcd1.endpoints) as client:
+        stop = threading.Event()
+
+        def write() -> None:
+            n = 0
+            while not stop.is_set() and n < 2000:
+                n += 1
+                client.put(key, b"%d" % n)
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        try:
+            rec = Recorder()
+            time.sleep(0.05)
+            watch = client.watch(key, 0, rec.on_events, rec.on_compacted)
+            created_at = watch.wait_created()
+            kv, read_at = client.get(key)
+            assert kv is not None and read_at >= created_at
+            time.sleep(0.2)
+        finally:
+            stop.set()
+            writer.join(30)
+        last, _ = client.get(key)
+        assert last is not None
+        rec.wait(lambda r: bool(r.events) and r.events[-1].kv.mod_revision == last.mod_revision)
+        newer = [e.kv.mod_revision for e in rec.events if e.kv.mod_revision > read_at]
+        # Every write after the read arrived, once and in order, with no gap.
+        assert newer == list(range(read_at + 1, last.mod_revision + 1))
+        assert all(e.kv.mod_revision > created_at for e in rec.events)
+        watch.cancel()
+
+
+def test_wait_created_raises_when_no_member_confirms_or_the_client_closes() -> None:
+    dead = f"127.0.0.1:{free_port('127.0.0.1')}"
+    client = EtcdClient(EtcdConfig(endpoints=(dead,), request_timeout=0.2, retry_budget=0.5))
+    try:
+        watch = client.watch(b"/k", 0, lambda _e, _r: None, lambda _r: None)
+        with pytest.raises(EtcdConnectionError) as info:
+            watch.wait_created(0.3)
+        assert str(info.value) == "etcd did not confirm the watch on key b'/k' within 0.3 s"
+        threading.Timer(0.2, client.close).start()
+        with pytest.raises(EtcdConnectionError, match=r"^the etcd client was closed$"):
+            watch.wait_created(30)
+    finally:
+        client.close()
+
+
+def test_put_created_returns_the_keys_create_revision(etcd1: EtcdCluster, prefix: bytes) -> None:
+    with _client(etcd1.endpoints) as client:
+        created = client.put_created(prefix + b"n", b"1")
+        kv, _ = client.get(prefix + b"n")
+        assert kv is not None and kv.create_revision == created == kv.mod_revision
+        client.put(prefix + b"other", b"x")
+        assert client.put_created(prefix + b"n", b"2") == created  # rewritten, not created
+        kv, _ = client.get(prefix + b"n")
+        assert kv is not None and kv.value == b"2" and kv.mod_revision > created
 
 
 def test_many_short_watches_share_one_stream_and_thread(etcd1: EtcdCluster, prefix: bytes) -> None:
@@ -475,10 +540,17 @@ def test_auth_good_and_bad_passwords_permissions_and_token_refresh(prefix: bytes
                 "prefix"
             )
             rec = Recorder()
-            alice.watch(denied, 0, rec.on_events, rec.on_compacted, on_error=rec.on_error)
+            refused = alice.watch(denied, 0, rec.on_events, rec.on_compacted, on_error=rec.on_error)
+            with pytest.raises(EtcdAuthError) as refusal:
+                refused.wait_created()
             rec.wait(lambda r: bool(r.errors))
-            assert isinstance(rec.errors[0], EtcdAuthError)
-            assert str(denied) in str(rec.errors[0])
+            assert rec.errors[0] is refusal.value
+            # etcd's own wording of the reason differs between versions; ours is pinned.
+            assert re.fullmatch(
+                rf"etcd user 'alice' may not watch key {re.escape(repr(denied))} \(.*"
+                r"etcdserver: permission denied\); grant the user's role read on the key prefix",
+                str(refusal.value),
+            ), str(refusal.value)
 
             token = alice._token
             time.sleep(3)  # let the 1 s token expire (the condition here is time itself)

@@ -1,0 +1,86 @@
+"""The coordinator's table of node keys: one full read, then the watch's events.
+
+Pure bookkeeping, no I/O: the coordinator watches the node keys from *now*, then reads
+them all (see ``Watch.wait_created`` for why not the other way round). Events can then
+arrive before the read is applied, and events the read already reflects can arrive
+after it. The table holds events until it has a read, and from then on applies only
+events newer than the read, so each change counts once and in revision order.
+Not thread-safe: the caller locks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from coordinator.errors import CorruptValueError
+from coordinator.etcd_client import KeyValue, WatchEvent
+from coordinator.state import NodeInfo, decode_node
+
+__all__ = ["NodeTable"]
+
+log = logging.getLogger(__name__)
+
+
+class NodeTable:
+    """Node id -> record, as of the last read plus the newer watch events."""
+
+    def __init__(self) -> None:
+        self._nodes: dict[str, NodeInfo] = {}
+        self._node_id_by_key: dict[bytes, str] = {}
+        self._read_at: int | None = None  # None: no read yet; events are held
+        self._held: list[WatchEvent] = []
+
+    @property
+    def read_at(self) -> int | None:
+        """The revision of the read applied (None while waiting for one)."""
+        return self._read_at
+
+    def reset(self) -> None:
+        """Forget everything; hold events until the next :meth:`load`."""
+        self._nodes.clear()
+        self._node_id_by_key.clear()
+        self._read_at = None
+        self._held = []
+
+    def load(self, kvs: Iterable[KeyValue], revision: int) -> None:
+        """Apply a full read made at ``revision``, then the held events newer than it."""
+        self._nodes.clear()
+        self._node_id_by_key.clear()
+        for kv in kvs:
+            self._put(kv.key, kv.value, kv.create_revision)
+        self._read_at = revision
+        held, self._held = self._held, []
+        self.apply(held)
+
+    def apply(self, events: Iterable[WatchEvent]) -> bool:
+        """Apply watch events (held until the first read); whether they were applied."""
+        if self._read_at is None:
+            self._held.extend(events)
+            return False
+        for event in events:
+            if event.kv.mod_revision <= self._read_at:
+                continue  # the read already has it
+            if event.kind == "put":
+                self._put(event.kv.key, event.kv.value, event.kv.create_revision)
+            else:
+                node_id = self._node_id_by_key.pop(event.kv.key, None)
+                if node_id is not None:
+                    self._nodes.pop(node_id, None)
+        return True
+
+    def snapshot(self) -> dict[str, NodeInfo]:
+        """A copy of the table."""
+        return dict(self._nodes)
+
+    def _put(self, key: bytes, value: bytes, create_revision: int) -> None:
+        try:
+            node = decode_node(key.decode(errors="replace"), value, create_revision)
+        except CorruptValueError as exc:
+            log.warning("ignoring node key: %s", exc)
+            return
+        old = self._node_id_by_key.get(key)
+        if old is not None and old != node.node_id:
+            self._nodes.pop(old, None)
+        self._nodes[node.node_id] = node
+        self._node_id_by_key[key] = node.node_id

@@ -1,0 +1,66 @@
+"""NodeTable: a read plus the watch's events, each change applied once and in order."""
+
+from __future__ import annotations
+
+from coordinator.etcd_client import KeyValue, WatchEvent
+from coordinator.node_table import NodeTable
+from coordinator.state import NodeInfo, encode_node
+
+PREFIX = b"/p/run/nodes/"
+
+
+def _kv(node_id: str, revision: int, created: int | None = None, round_: int = 1) -> KeyValue:
+    value = encode_node(NodeInfo(node_id=node_id, wanted_round=round_))
+    return KeyValue(PREFIX + node_id.encode(), value, created or revision, revision, 1, 7)
+
+
+def _put(node_id: str, revision: int, created: int | None = None, round_: int = 1) -> WatchEvent:
+    return WatchEvent("put", _kv(node_id, revision, created, round_), None)
+
+
+def _delete(node_id: str, revision: int) -> WatchEvent:
+    return WatchEvent("delete", KeyValue(PREFIX + node_id.encode(), b"", 0, revision, 0, 0), None)
+
+
+def _rounds(table: NodeTable) -> dict[str, int]:
+    return {n: info.wanted_round for n, info in table.snapshot().items()}
+
+
+def test_events_before_the_read_are_held_then_only_newer_ones_apply() -> None:
+    table = NodeTable()
+    # The watch (from now, created at 10) reports 11..13 before the read (made at 12).
+    assert table.apply([_put("a", 11), _put("b", 12)]) is False
+    assert table.apply([_delete("a", 13)]) is False
+    assert table.snapshot() == {}
+    table.load([_kv("a", 11), _kv("b", 12), _kv("old", 5)], 12)
+    # 11 and 12 are in the read; the delete at 13 is newer and applies.
+    assert _rounds(table) == {"b": 1, "old": 1}
+    assert table.read_at == 12
+
+
+def test_events_the_read_already_has_are_ignored_afterwards() -> None:
+    table = NodeTable()
+    table.load([_kv("a", 20, created=8, round_=2)], 20)
+    # A late event from before the read must not roll "a" back to round 1 or revive "z".
+    assert table.apply([_put("a", 15, created=8, round_=1), _put("z", 18), _delete("z", 19)])
+    assert _rounds(table) == {"a": 2}
+    assert table.apply([_put("a", 21, created=8, round_=3), _put("c", 22)])
+    assert _rounds(table) == {"a": 3, "c": 1}
+    assert table.snapshot()["a"].create_revision == 8
+
+
+def test_reset_forgets_and_holds_again() -> None:
+    table = NodeTable()
+    table.load([_kv("a", 3)], 3)
+    table.reset()
+    assert table.snapshot() == {} and table.read_at is None
+    assert table.apply([_put("b", 4)]) is False
+    table.load([], 4)
+    assert table.snapshot() == {}  # b's put at 4 is the read's own revision: not re-applied
+
+
+def test_a_corrupt_value_is_skipped_and_the_rest_kept() -> None:
+    table = NodeTable()
+    bad = KeyValue(PREFIX + b"bad", b"\x80not json", 2, 2, 1, 0)
+    table.load([bad, _kv("a", 3)], 3)
+    assert list(table.snapshot()) == ["a"]
