@@ -100,9 +100,7 @@ def no_leaked_threads() -> Iterator[None]:
     """Fails the test if it leaves non-daemon threads behind."""
     before = set(threading.enumerate())
     yield
-    leaked = [
-        t for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon
-    ]
+    leaked = [t for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon]
     for t in leaked:
         t.join(timeout=5)
     still = [t.name for t in leaked if t.is_alive()]

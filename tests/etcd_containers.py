@@ -171,7 +171,6 @@ class EtcdMemberContainer(MemberHttp):
     def running(self) -> bool:
         return self.status() == "running"
 
-
     def logs(self, lines: int = 20) -> str:
         if self.container is None:
             return ""
@@ -197,7 +196,6 @@ class EtcdContainers(ClusterAddresses[EtcdMemberContainer]):
             EtcdMemberContainer(name=f"m{i}", client_port=_quiet_port(), peer_port=_quiet_port())
             for i in range(size)
         ]
-
 
     def _command(self, member: EtcdMemberContainer) -> list[str]:
         cluster = ",".join(f"{m.name}={m.peer_url}" for m in self.members)

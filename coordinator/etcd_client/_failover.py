@@ -89,6 +89,19 @@ def _code_name(code: Any) -> str:
     return str(getattr(code, "name", code))
 
 
+def unreachable(
+    what: str, budget: float, tried: Sequence[str], name: str, code: Any, details: str
+) -> EtcdConnectionError:
+    """The error for "no member answered ``what`` within ``budget``", naming every
+    endpoint tried and the last failure (``EtcdTLSError`` for a refused handshake)."""
+    message = (
+        f"no etcd member answered {what} within {budget:g} s; tried "
+        f"{', '.join(tried)}; last error from {name}: {_code_name(code)}: "
+        f"{details}. Check that etcd runs and is reachable at these endpoints"
+    )
+    return (EtcdTLSError if _tls_refused(details) else EtcdConnectionError)(message)
+
+
 def _tls_refused(details: str) -> bool:
     text = details.lower()
     return any(word in text for word in ("ssl", "handshake", "certificate", "tls"))
@@ -155,13 +168,7 @@ def run_with_failover(
             failures += 1
             elapsed = clock() - start
             if elapsed >= budget and len(tried) == len(ring.names):
-                message = (
-                    f"no etcd member answered {what} within {budget:g} s; tried "
-                    f"{', '.join(tried)}; last error from {name}: {_code_name(code)}: "
-                    f"{details}. Check that etcd runs and is reachable at these endpoints"
-                )
-                error = EtcdTLSError if _tls_refused(details) else EtcdConnectionError
-                raise error(message) from exc
+                raise unreachable(what, budget, tried, name, code, details) from exc
             if failures % len(ring.names) == 0:
                 delay = backoff_delay(failures // len(ring.names) - 1, rng.random())
                 sleep(max(0.0, min(delay, budget - elapsed)))

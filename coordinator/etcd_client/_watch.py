@@ -23,6 +23,7 @@ from coordinator.etcd_client._failover import (
     _status,
     backoff_delay,
     classify_status,
+    unreachable,
 )
 from coordinator.etcd_client._types import EtcdConfig, WatchEvent, _kv
 
@@ -104,9 +105,7 @@ class Watch:
         state = self._state
         wait = self._watcher.retry_budget() if timeout is None else timeout
         if not state.created.wait(wait):
-            raise EtcdConnectionError(
-                f"etcd did not confirm the watch on key {state.key!r} within {wait:g} s"
-            )
+            raise self._watcher.unconfirmed(state, wait)
         if state.error is not None:
             raise state.error
         return state.created_revision
@@ -148,6 +147,10 @@ class _Watcher:
         self._closed = False
         self._thread: threading.Thread | None = None
         self.endpoint: str | None = None
+        # Endpoints that failed since the stream last got an answer, and the last failure
+        # (endpoint, status code, details): what a watch not confirmed in time reports.
+        self._tried: list[str] = []
+        self._last_failure: tuple[str, Any, str] | None = None
 
     def add(self, state: _WatchState) -> None:
         with self._cond:
@@ -166,6 +169,15 @@ class _Watcher:
 
     def retry_budget(self) -> float:
         return self._client.config.retry_budget
+
+    def unconfirmed(self, state: _WatchState, waited: float) -> EtcdConnectionError:
+        """The error for a watch etcd did not confirm within ``waited`` seconds."""
+        with self._cond:
+            tried, failure = list(self._tried), self._last_failure
+        what = f"watch on key {state.key!r}"
+        if failure is None:
+            return EtcdConnectionError(f"etcd did not confirm the {what} within {waited:g} s")
+        return unreachable(what, waited, tried, *failure)
 
     def cancel(self, state: _WatchState) -> None:
         with state.lock:
@@ -237,10 +249,18 @@ class _Watcher:
                 for response in call:
                     failures = 0
                     self.endpoint = client.config.endpoints[index]
+                    if self._last_failure is not None:
+                        with self._cond:
+                            self._tried, self._last_failure = [], None
                     self._handle(response, metadata)
             except grpc.RpcError as exc:
                 code, details = _status(exc)
                 kind = classify_status(code, details)
+                name = client.config.endpoints[index]
+                with self._cond:
+                    if name not in self._tried:
+                        self._tried.append(name)
+                    self._last_failure = (name, code, details)
                 if not self._closed:
                     log.info("etcd watch stream to %s broke: %s", self.endpoint, details)
             except EtcdAuthError as exc:
