@@ -233,7 +233,9 @@ def test_a_failed_worker_restarts_every_group_once(agents: Agents, tmp_path: Pat
     lines = read_report(report)
     first = [r for r in lines if r["start_epoch"] == 0]
     second = [r for r in lines if r["start_epoch"] == 1]
-    assert len(lines) == 8 and _ranks_ok(first, 4) and _ranks_ok(second, 4), lines
+    attempts = sorted((r["group_rank"], r["restart_count"], r["start_epoch"]) for r in lines)
+    assert len(lines) == 8, f"{attempts}\n{agents.logs()}"
+    assert _ranks_ok(first, 4) and _ranks_ok(second, 4), lines
     failing_node = next(r["group_rank"] for r in first if r["rank"] == 3)
     counts = {(r["group_rank"], r["restart_count"]) for r in second}
     print(f"scenario 3: (group rank, restart count) after the failure: {sorted(counts)}")
