@@ -31,7 +31,14 @@ from typing import TextIO
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler
 
 from agent.config import LaunchConfig
-from agent.ending import close_reason, close_run, closed_mode, exit_barrier, leave
+from agent.ending import (
+    close_reason,
+    close_run,
+    closed_mode,
+    exit_barrier,
+    leave,
+    release_exit_barrier,
+)
 from agent.errorfile import Failure, format_report, read_failure, root_cause
 from agent.launches import build_launches, resolve_master
 from agent.logs import LogSpec, RunLogDir
@@ -320,12 +327,15 @@ class Agent:
         return state is WorkerState.FAILED or closed_mode(self._handler) == "failed"
 
     def _give_up(self, reason: str | None, *, close: bool = True) -> int:
+        who = f"node {self._group_rank} ({self._hostname})"
         if close:
             # Close before stopping: the other nodes learn the root cause (and stop their
             # workers) while ours are still being stopped.
-            who = f"node {self._group_rank} ({self._hostname})"
             why = close_reason(who, self._failures, self.restart_count, reason)
             close_run(self._handler, why, self._ctx(), failed=True)
+        if self._store is not None:
+            # Nodes of the last round already at its exit barrier stop waiting for us.
+            release_exit_barrier(self._store, who, self._ctx())
         self._stop_group()
         parts = [reason] if reason else []
         if self._failures:

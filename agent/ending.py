@@ -23,12 +23,14 @@ __all__ = [
     "closed_mode",
     "exit_barrier",
     "leave",
+    "release_exit_barrier",
 ]
 
 log = logging.getLogger(__name__)
 
 EXIT_BARRIER = "etcd_elastic/exit_barrier/"
 """Prefix of the exit barrier's keys in the round's store."""
+_ALL_ARRIVED = "1"  # the value of its ``done`` key when every node arrived
 
 
 def exit_barrier(store: Store, group_world_size: int, timeout: float, ctx: str) -> bool:
@@ -39,11 +41,13 @@ def exit_barrier(store: Store, group_world_size: int, timeout: float, ctx: str) 
         Whether every node arrived within ``timeout`` seconds; a store error or the
         timeout is logged as a warning (the node closes the run anyway).
     """
+    done = f"{EXIT_BARRIER}done"
     try:
         arrived = store.add(f"{EXIT_BARRIER}count", 1)
         if arrived >= group_world_size:
-            store.set(f"{EXIT_BARRIER}done", "1")
-        store.wait([f"{EXIT_BARRIER}done"], timedelta(seconds=timeout))
+            store.set(done, _ALL_ARRIVED)
+        store.wait([done], timedelta(seconds=timeout))
+        value = store.get(done)
     except Exception as exc:
         log.warning(
             "%s: exit barrier: not every node finished within %.0fs (%s); closing anyway",
@@ -52,8 +56,26 @@ def exit_barrier(store: Store, group_world_size: int, timeout: float, ctx: str) 
             exc,
         )
         return False
+    if value != _ALL_ARRIVED.encode():
+        log.warning(
+            "%s: exit barrier released: %s; closing anyway", ctx, value.decode(errors="replace")
+        )
+        return False
     log.info("%s: every node finished", ctx)
     return True
+
+
+def release_exit_barrier(store: Store, who: str, ctx: str) -> None:
+    """Let the nodes waiting at this round's exit barrier go: ``who`` will not arrive.
+
+    A node that gives up (its restarts exhausted, or the run closed under it) never
+    reaches the barrier; without this the others would wait out the whole
+    ``exit_barrier_timeout``. Best effort: a store error is logged.
+    """
+    try:
+        store.set(f"{EXIT_BARRIER}done", f"{who} gave up and will not arrive")
+    except Exception as exc:
+        log.warning("%s: could not release the exit barrier: %s", ctx, exc)
 
 
 def close_reason(
