@@ -36,6 +36,7 @@ def _measure_pooled(
     run: Callable[[System, int], Sample],
     shared: dict[str, Any],
     pool: GroupPool,
+    slow_s: float | None = None,
 ) -> dict[str, dict[str, Any]]:
     """``measure`` with the common options; the pool's node processes end per system."""
     return measure(
@@ -45,6 +46,7 @@ def _measure_pooled(
         shared,
         lease_ttl=args.lease_ttl,
         client=args.client,
+        slow_s=slow_s,
         after_system=pool.close,
     )
 
@@ -94,16 +96,7 @@ def formation(args: argparse.Namespace) -> Result:
         return rendezvous.formation_run(pool, system, nodes, args.processes, last_call, timeout)
 
     shared = {"min_nodes": nodes, "max_nodes": nodes, "last_call_timeout": last_call}
-    systems = measure(
-        args.systems,
-        run,
-        args.repeat,
-        shared,
-        lease_ttl=args.lease_ttl,
-        client=args.client,
-        slow_s=FORMATION_SLOW_S,
-        after_system=pool.close,
-    )
+    systems = _measure_pooled(args, run, shared, pool, slow_s=FORMATION_SLOW_S)
     method = (
         f"{_layout(args, nodes)}; {_REUSE} Every node calls "
         "next_rendezvous() at one common start; time from that start to the last node "
