@@ -156,11 +156,10 @@ class CoordinatorDuty:
             gone.set()  # re-check from scratch
             self._signal.set()
 
-        # Watch from now, then check the key is still there (see Watch.wait_created).
-        watch = self._client.watch(predecessor, 0, on_events, on_compacted)
+        watch, (kv, _) = self._client.watch_then_read(
+            predecessor, lambda: self._client.get(predecessor), on_events, on_compacted
+        )
         try:
-            watch.wait_created()
-            kv, _ = self._client.get(predecessor)
             if kv is None:
                 return False
             while not (self._stop.is_set() or gone.is_set()):
@@ -242,21 +241,16 @@ class CoordinatorDuty:
 
     def _watch_nodes(self) -> Watch:
         """Watch the node keys from now, then read them all (see :class:`NodeTable`)."""
+        prefix = self._keys.nodes_prefix
         with self._nodes_lock:
             self._nodes.reset()
-        watch = self._client.watch(
-            self._keys.nodes_prefix,
-            0,
+        watch, (kvs, revision) = self._client.watch_then_read(
+            prefix,
+            lambda: self._client.get_prefix(prefix),
             self._on_node_events,
             self._on_nodes_compacted,
             prefix=True,
         )
-        try:
-            watch.wait_created()
-            kvs, revision = self._client.get_prefix(self._keys.nodes_prefix)
-        except BaseException:
-            watch.cancel()
-            raise
         with self._nodes_lock:
             self._nodes.load(kvs, revision)
         self._signal.set()

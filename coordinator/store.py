@@ -293,8 +293,7 @@ class EtcdStore(Store):
         kv, _ = self._client.get(etcd_key)
         if kv is not None:
             return kv
-        # Absent: watch from now, then read again (a watch from a past revision would
-        # wait for etcd's catch-up pass, up to 100 ms; see Watch.wait_created).
+        # Absent: watch from now, then read again (see EtcdClient.watch_then_read).
         arrived = threading.Event()
         box: list[KeyValue] = []
         errors: list[Exception] = []
@@ -311,18 +310,24 @@ class EtcdStore(Store):
             errors.append(error)
             arrived.set()
 
-        # A watch from now cannot meet a compaction (no history is asked for).
-        watch = self._client.watch(etcd_key, 0, on_events, lambda _rev: None, on_error=on_error)
         try:
-            watch.wait_created(max(deadline - self._clock(), 0.0))
-            kv, _ = self._client.get(etcd_key)
-            if kv is not None:
-                return kv
-            arrived.wait(max(deadline - self._clock(), 0.0))
+            # A watch from now cannot meet a compaction (no history is asked for).
+            watch, (kv, _) = self._client.watch_then_read(
+                etcd_key,
+                lambda: self._client.get(etcd_key),
+                on_events,
+                lambda _rev: None,
+                on_error=on_error,
+                timeout=max(deadline - self._clock(), 0.0),
+            )
         except EtcdConnectionError:
             if self._clock() >= deadline:
                 return None  # the watch was not even confirmed by the deadline
             raise
+        try:
+            if kv is not None:
+                return kv
+            arrived.wait(max(deadline - self._clock(), 0.0))
         finally:
             watch.cancel()
         if errors and not box:

@@ -50,17 +50,11 @@ class StateView:
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
-        # Watch from now, then read: a watch started from a past revision would get its
-        # first events only on etcd's next catch-up pass (up to 100 ms). Events at or
-        # before the read's revision are dropped by _set, in whichever order they come.
-        watch = self._client.watch(self._key, 0, self._on_events, self._on_compacted)
-        try:
-            watch.wait_created()
-            kv, revision = self._client.get(self._key)
-        except BaseException:
-            watch.cancel()
-            raise
-        self._watch = watch
+        # Events at or before the read's revision are dropped by _set, in whichever order
+        # they come.
+        self._watch, (kv, revision) = self._client.watch_then_read(
+            self._key, lambda: self._client.get(self._key), self._on_events, self._on_compacted
+        )
         self._set(kv, revision)
 
     def close(self) -> None:

@@ -6,7 +6,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from etcd3 import etcdrpc
@@ -24,6 +24,8 @@ from coordinator.etcd_client._types import (
     prefix_range_end,
 )
 from coordinator.etcd_client._watch import Watch, _Watcher, _WatchState
+
+T = TypeVar("T")
 
 __all__ = ["EtcdClient"]
 
@@ -325,6 +327,38 @@ class EtcdClient(_Connection):
         )
         self._watcher.add(state)
         return Watch(self._watcher, state)
+
+    def watch_then_read(
+        self,
+        key: bytes,
+        read: Callable[[], T],
+        on_events: Callable[[list[WatchEvent], int], None],
+        on_compacted: Callable[[int], None],
+        *,
+        prefix: bool = False,
+        on_error: Callable[[Exception], None] | None = None,
+        timeout: float | None = None,
+    ) -> tuple[Watch, T]:
+        """Watch ``key`` from now, wait for etcd to confirm it, then call ``read()``.
+
+        The way to follow a key whose value is needed too: the read sees at least the
+        revision the watch started after, so no change falls between them; events the
+        read already reflects may still arrive (before or after it) and the caller drops
+        them by revision. Why not read first and watch from the read's revision + 1: see
+        :meth:`Watch.wait_created`. Arguments as :meth:`watch`; ``timeout`` bounds the
+        wait for the confirmation (default: the retry budget).
+
+        Raises:
+            EtcdConnectionError: etcd did not confirm in time, refused the watch, or the
+                read failed; the watch is cancelled first.
+        """
+        watch = self.watch(key, 0, on_events, on_compacted, prefix=prefix, on_error=on_error)
+        try:
+            watch.wait_created(timeout)
+            return watch, read()
+        except BaseException:
+            watch.cancel()
+            raise
 
     def close(self) -> None:
         """Stop every keep-alive (without revoking), the watch thread and all channels."""

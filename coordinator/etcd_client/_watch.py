@@ -89,8 +89,8 @@ class Watch:
 
         A watch from now (start revision 0) reports every change after that revision, so
         a read issued after this returns misses nothing: read, then apply only events
-        newer than the read. That is the way to start watching a key whose value is
-        needed too. Reading first and then watching from the read's revision + 1 is
+        newer than the read (:meth:`EtcdClient.watch_then_read` does exactly that).
+        Reading first and then watching from the read's revision + 1 is
         correct as well, but when anything was written in between, etcd files the watch
         as "unsynced" and delivers its first events only on its next catch-up pass,
         up to 100 ms later.
