@@ -1,4 +1,5 @@
-"""coordinator.etcd_client against real etcd: KV and CAS, watches, leases, failover, auth, TLS.
+"""coordinator.etcd_client against real etcd: KV and CAS, leases, failover, auth, TLS
+(watches: test_etcd_watch.py).
 
 Every test uses its own key prefix (from ``run_id``); tests that break a cluster, enable
 auth or need TLS start their own etcd and stop it even on failure.
@@ -15,82 +16,20 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
-from etcd3 import etcdrpc
 
 from coordinator.errors import EtcdAuthError, EtcdConnectionError, EtcdTLSError
-from coordinator.etcd_client import EtcdClient, EtcdConfig, KeyValue, WatchEvent
+from coordinator.etcd_client import EtcdClient, EtcdConfig, KeyValue
 from coordinator.etcd_server import EtcdCluster, find_etcd_binary, free_port
+from tests.integration.etcd_client_support import (
+    Recorder,
+    _client,
+)
 
-pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(autouse=True)
-def threads_reaped() -> Iterator[None]:
-    """Every thread a test's clients started is gone once they are closed."""
-    before = set(threading.enumerate())
-    yield
-    deadline = time.monotonic() + 5
-    leaked = [t for t in threading.enumerate() if t not in before]
-    for thread in leaked:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    still = [t.name for t in leaked if t.is_alive()]
-    assert not still, f"threads left running after the clients closed: {still}"
-
-
-def _client(endpoints: list[str], **kwargs: Any) -> EtcdClient:
-    options: dict[str, Any] = {"request_timeout": 2.0, "retry_budget": 10.0, **kwargs}
-    rng = options.pop("rng", None)
-    return EtcdClient(EtcdConfig(endpoints=tuple(endpoints), **options), rng=rng)
-
-
-@pytest.fixture
-def prefix(run_id: str) -> bytes:
-    return f"/etcd-client-test/{run_id}/".encode()
-
-
-def _eventually(predicate: Any, timeout: float = 10.0) -> None:
-    """Poll a condition nothing signals (a thread's progress), with a bound."""
-    deadline = time.monotonic() + timeout
-    pause = threading.Event()
-    while not predicate():
-        assert time.monotonic() < deadline, f"condition not met within {timeout} s"
-        pause.wait(0.02)
-
-
-class Recorder:
-    """Collects watch callbacks; tests wait on it with a bound, never a bare sleep."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.events: list[WatchEvent] = []
-        self.compacted: list[int] = []
-        self.errors: list[Exception] = []
-
-    def on_events(self, events: list[WatchEvent], revision: int) -> None:
-        with self.cond:
-            self.events.extend(events)
-            self.cond.notify_all()
-
-    def on_compacted(self, revision: int) -> None:
-        with self.cond:
-            self.compacted.append(revision)
-            self.cond.notify_all()
-
-    def on_error(self, error: Exception) -> None:
-        with self.cond:
-            self.errors.append(error)
-            self.cond.notify_all()
-
-    def wait(self, predicate: Any, timeout: float = 10.0) -> None:
-        with self.cond:
-            assert self.cond.wait_for(lambda: predicate(self), timeout), (
-                f"watch did not deliver in {timeout} s: {len(self.events)} events, "
-                f"compacted={self.compacted}, errors={self.errors}"
-            )
+# Every thread a test's clients started is gone once they are closed.
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("threads_reaped")]
 
 
 # -- KV and CAS ---------------------------------------------------------------------------
@@ -199,107 +138,6 @@ def test_one_client_shared_by_many_threads_counts_exactly_with_cas(
         assert kv is not None and int(kv.value) == threads_n * increments
 
 
-# -- watches ------------------------------------------------------------------------------
-
-
-def test_watch_delivers_puts_and_deletes_from_the_start_revision(
-    etcd1: EtcdCluster, prefix: bytes
-) -> None:
-    with _client(etcd1.endpoints) as client:
-        start = client.put(prefix + b"a", b"1")  # before the watch exists
-        client.put(prefix + b"b", b"2")
-        client.delete(prefix + b"a")
-        rec = Recorder()
-        watch = client.watch(
-            prefix, start, rec.on_events, rec.on_compacted, prefix=True, prev_kv=True
-        )
-        rec.wait(lambda r: len(r.events) == 3)
-        assert [(e.kind, e.kv.key[-1:]) for e in rec.events] == [
-            ("put", b"a"),
-            ("put", b"b"),
-            ("delete", b"a"),
-        ]
-        assert rec.events[2].prev_kv is not None and rec.events[2].prev_kv.value == b"1"
-        assert rec.events[2].kv.mod_revision > rec.events[1].kv.mod_revision
-
-        one = Recorder()
-        now = client.watch(prefix + b"b", 0, one.on_events, one.on_compacted)  # one key
-        created_at = now.wait_created()
-        # Created at the present revision: nothing older comes, the next write does.
-        assert created_at >= rec.events[2].kv.mod_revision
-        assert now.next_revision == created_at + 1
-        written = client.put(prefix + b"b", b"3")
-        one.wait(lambda r: bool(r.events))
-        assert [(e.kv.value, e.kv.mod_revision) for e in one.events] == [(b"3", written)]
-
-        watch.cancel()
-        watch.cancel()
-        seen = len(rec.events)  # no callback of a cancelled watch starts after cancel()
-        client.put(prefix + b"c", b"after cancel")
-        one_more = client.put(prefix + b"b", b"4")
-        one.wait(lambda r: r.events[-1].kv.mod_revision == one_more)
-        assert len(rec.events) == seen
-
-
-def test_watch_then_read_misses_nothing_while_a_writer_races(
-    etcd1: EtcdCluster, prefix: bytes
-) -> None:
-    """The pattern the view, the coordinator and the store use: watch from now, wait for
-    etcd to create it, read, then apply only events newer than the read."""
-    key = prefix + b"counter"
-    with _client(etcd1.endpoints) as client:
-        stop = threading.Event()
-
-        def write() -> None:
-            n = 0
-            while not stop.is_set() and n < 2000:
-                n += 1
-                client.put(key, b"%d" % n)
-
-        writer = threading.Thread(target=write)
-        writer.start()
-        try:
-            rec = Recorder()
-            time.sleep(0.05)
-            watch = client.watch(key, 0, rec.on_events, rec.on_compacted)
-            created_at = watch.wait_created()
-            kv, read_at = client.get(key)
-            assert kv is not None and read_at >= created_at
-            time.sleep(0.2)
-        finally:
-            stop.set()
-            writer.join(30)
-        last, _ = client.get(key)
-        assert last is not None
-        rec.wait(lambda r: bool(r.events) and r.events[-1].kv.mod_revision == last.mod_revision)
-        newer = [e.kv.mod_revision for e in rec.events if e.kv.mod_revision > read_at]
-        # Every write after the read arrived, once and in order, with no gap.
-        assert newer == list(range(read_at + 1, last.mod_revision + 1))
-        assert all(e.kv.mod_revision > created_at for e in rec.events)
-        watch.cancel()
-
-
-def test_wait_created_raises_when_no_member_confirms_or_the_client_closes() -> None:
-    dead = f"127.0.0.1:{free_port('127.0.0.1')}"
-    client = EtcdClient(EtcdConfig(endpoints=(dead,), request_timeout=0.2, retry_budget=0.5))
-    try:
-        watch = client.watch(b"/k", 0, lambda _e, _r: None, lambda _r: None)
-        with pytest.raises(EtcdConnectionError) as info:
-            watch.wait_created(0.5)
-        # The same words as a unary call that found no member: every endpoint, last error.
-        assert re.fullmatch(
-            rf"no etcd member answered watch on key b'/k' within 0.5 s; tried {dead}; last "
-            rf"error from {dead}: UNAVAILABLE: .+\. Check that etcd runs and is reachable "
-            "at these endpoints",
-            str(info.value),
-        ), str(info.value)
-        threading.Timer(0.2, client.close).start()
-        with pytest.raises(EtcdConnectionError, match=r"^the etcd client was closed$"):
-            watch.wait_created(30)
-    finally:
-        client.close()
-
-
 def test_put_created_returns_the_keys_create_revision(etcd1: EtcdCluster, prefix: bytes) -> None:
     with _client(etcd1.endpoints) as client:
         created = client.put_created(prefix + b"n", b"1")
@@ -309,86 +147,6 @@ def test_put_created_returns_the_keys_create_revision(etcd1: EtcdCluster, prefix
         assert client.put_created(prefix + b"n", b"2") == created  # rewritten, not created
         kv, _ = client.get(prefix + b"n")
         assert kv is not None and kv.value == b"2" and kv.mod_revision > created
-
-
-def test_many_short_watches_share_one_stream_and_thread(etcd1: EtcdCluster, prefix: bytes) -> None:
-    with _client(etcd1.endpoints) as client:
-        rev = client.put(prefix + b"seed", b"")
-        threads_before = threading.active_count()
-        recs = [Recorder() for _ in range(200)]
-        watches = [
-            client.watch(prefix + b"k%d" % i, rev + 1, r.on_events, r.on_compacted)
-            for i, r in enumerate(recs)
-        ]
-        assert threading.active_count() - threads_before <= 3  # watch thread + gRPC's
-        for i in range(0, 200, 20):
-            client.put(prefix + b"k%d" % i, b"v")
-        for i in range(0, 200, 20):
-            recs[i].wait(lambda r: len(r.events) == 1)
-        for watch in watches:
-            watch.cancel()
-        assert [t.name for t in threading.enumerate()].count("etcd-watch") == 1
-
-
-def test_watch_reports_compaction_and_restarts_from_the_compact_revision(
-    etcd1: EtcdCluster, prefix: bytes
-) -> None:
-    with _client(etcd1.endpoints) as client:
-        first = client.put(prefix + b"k", b"0")
-        revs = [client.put(prefix + b"k", b"%d" % i) for i in range(1, 4)]
-        compact_at = revs[-1]
-        # Compaction of history only (current values stay): other tests read at or after
-        # their own revisions, which are newer.
-        channel = grpc.insecure_channel(etcd1.endpoints[0])
-        try:
-            etcdrpc.KVStub(channel).Compact(
-                etcdrpc.CompactionRequest(revision=compact_at, physical=True), timeout=10
-            )
-        finally:
-            channel.close()
-        rec = Recorder()
-        client.watch(prefix + b"k", first, rec.on_events, rec.on_compacted)
-        rec.wait(lambda r: bool(r.compacted))
-        assert rec.compacted == [compact_at] and rec.events == []
-
-        again = Recorder()
-        client.watch(prefix + b"k", compact_at, again.on_events, again.on_compacted)
-        again.wait(lambda r: bool(r.events))
-        assert again.events[0].kv.mod_revision == compact_at and again.compacted == []
-
-
-def test_watch_resumes_without_loss_or_duplicates_after_its_member_is_killed(
-    fresh_cluster3: EtcdCluster, prefix: bytes
-) -> None:
-    cluster = fresh_cluster3
-    with _client(cluster.endpoints) as client:
-        start = client.put(prefix + b"k00", b"0")
-        rec = Recorder()
-        client.watch(prefix, start, rec.on_events, rec.on_compacted, prefix=True)
-        rec.wait(lambda r: len(r.events) == 1)
-        lease = client.lease_grant(5)
-        keepalive = client.keep_alive(lease, 5)
-        _eventually(lambda: keepalive.endpoint is not None)
-        victim = client.watch_endpoint
-        assert victim is not None and keepalive.endpoint == victim
-        others = [e for e in cluster.endpoints if e != victim]
-        with _client(others, retry_budget=20.0) as writer:
-            for i in range(1, 10):
-                writer.put(prefix + b"k%02d" % i, b"%d" % i)
-            cluster.kill(cluster.endpoints.index(victim))
-            for i in range(10, 30):
-                writer.put(prefix + b"k%02d" % i, b"%d" % i)
-        rec.wait(lambda r: len(r.events) >= 30, timeout=30)
-        keys = [e.kv.key for e in rec.events]
-        assert keys == [prefix + b"k%02d" % i for i in range(30)]
-        revisions = [e.kv.mod_revision for e in rec.events]
-        assert revisions == sorted(set(revisions))
-        assert client.watch_endpoint in others
-        assert keepalive.endpoint in (*others, None)  # reconnected elsewhere (or in between)
-        assert not keepalive.lost()
-        assert client.lease_time_to_live(lease) > 0
-        keepalive.close()
-        assert client.lease_time_to_live(lease) == -1
 
 
 # -- leases -------------------------------------------------------------------------------
