@@ -1,0 +1,92 @@
+"""agent/history.py: the history line format, appends from many processes, torn lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent.history import HISTORY_ENV, HistoryError, HistoryWriter, read_history
+
+
+def test_a_line_has_the_common_keys_then_the_fields(tmp_path: Path) -> None:
+    path = tmp_path / "h.jsonl"
+    with HistoryWriter(str(path), "agent") as writer:
+        writer.record("round", node="n1", round=3, members=["n1", "n2"], weird=Path("/x"))
+    (line,) = path.read_text().splitlines()
+    event = json.loads(line)
+    assert list(event)[:5] == ["t", "mono", "src", "pid", "event"]
+    assert event["src"] == "agent" and event["pid"] == os.getpid()
+    assert event["event"] == "round" and event["members"] == ["n1", "n2"]
+    assert event["weird"] == "/x"  # not JSON: written as its string, never an error
+    assert read_history(path) == [event]
+
+
+def test_no_path_records_nothing_and_costs_nothing(tmp_path: Path) -> None:
+    writer = HistoryWriter.from_env("worker", env={})
+    assert not writer.enabled
+    writer.record("step", t=1)  # not even the reserved-key check runs
+    assert HistoryWriter.from_env("worker", env={HISTORY_ENV: ""}).enabled is False
+    on = HistoryWriter.from_env("worker", env={HISTORY_ENV: str(tmp_path / "h")})
+    assert on.enabled
+    on.close()
+    on.close()
+    on.record("after_close")
+    assert read_history(tmp_path / "h") == []
+
+
+@pytest.mark.parametrize(("src", "message"), [("agnet", "history source 'agnet' is not one of")])
+def test_bad_source_is_refused(src: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        HistoryWriter(None, src)
+
+
+def test_reserved_keys_are_refused(tmp_path: Path) -> None:
+    with (
+        HistoryWriter(str(tmp_path / "h"), "harness") as writer,
+        pytest.raises(TypeError, match=r"fields \['pid'\] are reserved"),
+    ):
+        writer.record("agent_started", pid=12)
+
+
+def test_many_processes_append_whole_lines(tmp_path: Path) -> None:
+    path = tmp_path / "h.jsonl"
+    code = (
+        "import sys; from agent.history import HistoryWriter\n"
+        "w = HistoryWriter(sys.argv[1], 'worker')\n"
+        "for i in range(300): w.record('step', step=i, pad='x' * 900)\n"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(path)], stdin=subprocess.DEVNULL)
+        for _ in range(4)
+    ]
+    try:
+        codes = [p.wait(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert codes == [0, 0, 0, 0]
+    events = read_history(path)
+    assert len(events) == 1200
+    for pid in {e["pid"] for e in events}:
+        assert [e["step"] for e in events if e["pid"] == pid] == list(range(300))
+
+
+def test_a_torn_last_line_is_dropped_and_damage_before_it_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "h.jsonl"
+    good = '{"mono": 1, "event": "a"}\n'
+    path.write_text(good + '{"mono": 2, "ev')
+    assert read_history(path) == [{"mono": 1, "event": "a"}]
+    path.write_text(good + '{"mono": 2, "ev\n' + good)
+    with pytest.raises(HistoryError, match="line 2 is not JSON"):
+        read_history(path)
+    path.write_text(good + "[1, 2]\n")
+    with pytest.raises(HistoryError, match="line 2 is not a JSON object"):
+        read_history(path)
+    assert read_history(tmp_path / "missing") == []
