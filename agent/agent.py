@@ -33,7 +33,7 @@ from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHand
 from agent.config import LaunchConfig
 from agent.ending import (
     close_reason,
-    close_run,
+    close_rendezvous,
     closed_mode,
     exit_barrier,
     leave,
@@ -263,7 +263,7 @@ class Agent:
             if step is Step.SUCCEED:
                 log.info("%s: all workers succeeded; waiting for the other nodes", self._ctx())
                 self._exit_barrier()
-                close_run(
+                close_rendezvous(
                     self._handler,
                     "the job finished: every worker succeeded",
                     self._ctx(),
@@ -332,7 +332,7 @@ class Agent:
             # Close before stopping: the other nodes learn the root cause (and stop their
             # workers) while ours are still being stopped.
             why = close_reason(who, self._failures, self.restart_count, reason)
-            close_run(self._handler, why, self._ctx(), failed=True)
+            close_rendezvous(self._handler, why, self._ctx(), failed=True)
         if self._store is not None:
             # Nodes of the last round already at its exit barrier stop waiting for us.
             release_exit_barrier(self._store, who, self._ctx())

@@ -30,10 +30,10 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from agent import devices
 from agent.cli_parser import IGNORED_FLAGS, build_parser
 from agent.config import LaunchConfig, Std
-from coordinator.errors import ConfigError
+from coordinator.core.errors import ConfigError
+from coordinator.core.keys import validate_run_id
+from coordinator.core.settings import RendezvousSettings, parse_endpoints
 from coordinator.etcd_server import EtcdBinaryNotFoundError, EtcdStartError
-from coordinator.keys import validate_run_id
-from coordinator.settings import RendezvousSettings, parse_endpoints
 
 __all__ = ["BACKENDS", "UsageError", "build_parser", "main", "parse_args"]
 

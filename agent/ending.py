@@ -19,7 +19,7 @@ from agent.ranks import Store
 __all__ = [
     "EXIT_BARRIER",
     "close_reason",
-    "close_run",
+    "close_rendezvous",
     "closed_mode",
     "exit_barrier",
     "leave",
@@ -99,7 +99,7 @@ def close_reason(
     return f"{who} gave up: {reason}" if reason else f"{who} gave up"
 
 
-def close_run(handler: RendezvousHandler, reason: str, ctx: str, *, failed: bool) -> None:
+def close_rendezvous(handler: RendezvousHandler, reason: str, ctx: str, *, failed: bool) -> None:
     """Close the run for every node; a failure to close is logged, not raised (the
     workers' outcome decides the exit code).
 

@@ -31,14 +31,14 @@ def build_handler(config: LaunchConfig) -> RendezvousHandler:
 
     Raises:
         RuntimeError: the coordinator package has no handler (a broken install).
-        coordinator.errors.ConfigError: a rendezvous setting is invalid.
+        coordinator.core.errors.ConfigError: a rendezvous setting is invalid.
     """
     try:
-        from coordinator.handler import create_handler
+        from coordinator.torch_adapter.handler import create_handler
     except ImportError as exc:
         raise RuntimeError(
-            f"the etcd rendezvous handler (coordinator.handler) cannot be imported: {exc}; "
-            "reinstall etcd-elastic"
+            "the etcd rendezvous handler (coordinator.torch_adapter.handler) cannot be "
+            f"imported: {exc}; reinstall etcd-elastic"
         ) from exc
     params = RendezvousParameters(
         backend=config.rdzv_backend,

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol
 
+from coordinator.core.ports import free_port
+
 __all__ = [
     "Assignment",
     "RoleInfo",
@@ -196,20 +198,6 @@ def exchange_ranks(store: Store, info: RoleInfo, group_world_size: int) -> Assig
     return _decode_assignment(key, store.get(key))
 
 
-def _free_port(addr: str) -> int:
-    # Bind to the address we publish so the port is free where workers will listen;
-    # fall back to all interfaces when the name does not resolve to a local address.
-    for host in (addr, ""):
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                sock.bind((host, 0))
-                port: int = sock.getsockname()[1]
-                return port
-        except OSError:
-            continue
-    raise OSError(f"no free TCP port could be bound on {addr!r} or on any interface")
-
-
 def publish_master(
     store: Store,
     group_rank: int,
@@ -231,7 +219,7 @@ def publish_master(
     """
     if group_rank == 0:
         addr = master_addr or local_addr or socket.getfqdn()
-        port = master_port if master_port is not None else _free_port(addr)
+        port = master_port if master_port is not None else free_port(addr, fallback_any=True)
         store.set(_MASTER_ADDR, addr)
         store.set(_MASTER_PORT, str(port))
     addr_read = store.get(_MASTER_ADDR).decode("utf-8")

@@ -6,7 +6,7 @@ and turns it into handlers here, so no Python object ever crosses a process boun
 Torch's handlers are built exactly as torch's registry builds them (``create_backend``
 then ``dynamic_rendezvous.create_handler``), with one difference: the backend is wrapped
 in :class:`CountingBackend`, which counts state reads, state writes and failed
-compare-and-swaps. Ours comes from ``coordinator.handler.create_handler``.
+compare-and-swaps. Ours comes from ``coordinator.torch_adapter.handler.create_handler``.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def build_handler(spec: dict[str, Any], counters: Counters) -> RendezvousHandler
     backend: RendezvousBackend
     store: Store
     if system == "etcd-v3":
-        from coordinator.handler import create_handler as create_ours
+        from coordinator.torch_adapter.handler import create_handler as create_ours
 
         params = _params(spec, "etcd-v3")
         if spec.get("client") == "per-process":
@@ -146,8 +146,8 @@ _clients_lock = threading.Lock()
 
 
 def _shared_client(params: RendezvousParameters) -> Any:
-    from coordinator.etcd_client import EtcdClient
-    from coordinator.settings import RendezvousSettings
+    from coordinator.core.etcd_client import EtcdClient
+    from coordinator.core.settings import RendezvousSettings
 
     with _clients_lock:
         client = _clients.get(params.endpoint)

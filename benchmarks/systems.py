@@ -15,7 +15,7 @@ import queue
 from pathlib import Path
 from typing import Any
 
-from benchmarks.procs import REPO_ROOT, Child, RunError, cpu_seconds
+from benchmarks.procs import Child, RunError, cpu_seconds
 from benchmarks.stats import parse_prometheus
 from coordinator.etcd_server import EtcdCluster, find_etcd_binary, free_port, wheel_etcd_binary
 
@@ -116,7 +116,9 @@ class System(abc.ABC):
 
 class Ours(System):
     name = "etcd-v3"
-    description = "ours: coordinator.handler over etcd v3 (one member, on disk, fsync on)"
+    description = (
+        "ours: coordinator.torch_adapter.handler over etcd v3 (one member, on disk, fsync on)"
+    )
 
     def __init__(self, lease_ttl: int = 5, client: str = CLIENT_MODES[0]) -> None:
         super().__init__()
@@ -135,8 +137,6 @@ class Ours(System):
         return {**super().stated_config(shared), "client": f"{self.client}: {why[self.client]}"}
 
     def unavailable_reason(self) -> str | None:
-        if not (REPO_ROOT / "coordinator" / "handler.py").is_file():
-            return "coordinator/handler.py does not exist yet (our handler is being written)"
         return None
 
     def start(self) -> None:

@@ -17,7 +17,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -27,6 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
+
+from coordinator.core.ports import free_port
 
 __all__ = [
     "ClusterAddresses",
@@ -112,13 +113,6 @@ def _supports_flag(binary: Path, flag: str) -> bool:
         [str(binary), "--help"], capture_output=True, text=True, timeout=30, check=False
     )
     return flag in out.stdout + out.stderr
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that was free on ``host`` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 class MemberHttp:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParameters
 
 from coordinator.etcd_server import EtcdCluster
-from coordinator.handler import EtcdRendezvousHandler, create_handler
+from coordinator.torch_adapter.handler import EtcdRendezvousHandler, create_handler
 
 
 def make_handler(

@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from coordinator.etcd_client import EtcdClient, EtcdConfig
+from coordinator.core.etcd_client import EtcdClient, EtcdConfig
+from coordinator.core.keys import DEFAULT_KEY_PREFIX, RunKeys
 from coordinator.etcd_server import EtcdCluster, free_port
-from coordinator.keys import DEFAULT_KEY_PREFIX, RunKeys
 from tests.e2e.agents import (
     ETCDRUN,
     EXAMPLE,

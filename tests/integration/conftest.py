@@ -1,4 +1,4 @@
-"""Fixtures of the integration tests of coordinator.etcd_client (test_etcd_client.py and
+"""Fixtures of the integration tests of coordinator.core.etcd_client (test_etcd_client.py and
 test_etcd_watch.py use them; the cluster fixtures are in ``tests/conftest.py``)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the tests of coordinator.etcd_client share: a client factory, a bounded poll and
+"""What the tests of coordinator.core.etcd_client share: a client factory, a bounded poll and
 a watch-callback recorder (their fixtures are in ``conftest.py``)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import threading
 import time
 from typing import Any
 
-from coordinator.etcd_client import EtcdClient, EtcdConfig, WatchEvent
+from coordinator.core.etcd_client import EtcdClient, EtcdConfig, WatchEvent
 
 __all__ = ["Recorder", "_client", "_eventually"]
 

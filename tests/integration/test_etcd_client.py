@@ -1,4 +1,4 @@
-"""coordinator.etcd_client against real etcd: KV and CAS, leases, failover, auth, TLS
+"""coordinator.core.etcd_client against real etcd: KV and CAS, leases, failover, auth, TLS
 (watches: test_etcd_watch.py).
 
 Every test uses its own key prefix (from ``run_id``); tests that break a cluster, enable
@@ -20,8 +20,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.errors import EtcdAuthError, EtcdConnectionError, EtcdTLSError
-from coordinator.etcd_client import EtcdClient, EtcdConfig, KeyValue
+from coordinator.core.errors import EtcdAuthError, EtcdConnectionError, EtcdTLSError
+from coordinator.core.etcd_client import EtcdClient, EtcdConfig, KeyValue
 from coordinator.etcd_server import EtcdCluster, find_etcd_binary, free_port
 from tests.integration.etcd_client_support import (
     Recorder,
@@ -393,7 +393,7 @@ def test_tls_connection_and_refused_handshake(tmp_path: Path, prefix: bytes) -> 
 
 
 def test_put_on_an_expired_lease_raises_lease_lost(etcd1: EtcdCluster) -> None:
-    from coordinator.errors import LeaseLostError
+    from coordinator.core.errors import LeaseLostError
 
     with EtcdClient(EtcdConfig(endpoints=tuple(etcd1.endpoints))) as client:
         lease = client.lease_grant(5)

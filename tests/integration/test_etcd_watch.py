@@ -1,4 +1,4 @@
-"""coordinator.etcd_client's watches against real etcd: delivery, watch-then-read,
+"""coordinator.core.etcd_client's watches against real etcd: delivery, watch-then-read,
 confirmation, the shared stream, compaction and resuming after a member dies."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import grpc
 import pytest
 from etcd3 import etcdrpc
 
-from coordinator.errors import EtcdConnectionError
-from coordinator.etcd_client import EtcdClient, EtcdConfig
+from coordinator.core.errors import EtcdConnectionError
+from coordinator.core.etcd_client import EtcdClient, EtcdConfig
 from coordinator.etcd_server import EtcdCluster, free_port
 from tests.integration.etcd_client_support import (
     Recorder,

@@ -10,10 +10,10 @@ from datetime import timedelta
 import pytest
 
 from agent.ending import exit_barrier, release_exit_barrier
-from coordinator.etcd_client import EtcdClient, EtcdConfig
+from coordinator.core.etcd_client import EtcdClient, EtcdConfig
+from coordinator.core.keys import RunKeys
 from coordinator.etcd_server import EtcdCluster
-from coordinator.keys import RunKeys
-from coordinator.store import EtcdStore
+from coordinator.torch_adapter.store import EtcdStore
 
 
 def _stores(etcd: EtcdCluster, run_id: str, n: int) -> tuple[EtcdClient, list[EtcdStore]]:

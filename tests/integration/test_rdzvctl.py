@@ -25,13 +25,13 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
-from coordinator.etcd_client import EtcdClient, EtcdConfig
+from coordinator.core.etcd_client import EtcdClient, EtcdConfig
+from coordinator.core.keys import RunKeys
+from coordinator.core.state import RdzvState, decode_state, encode_state
 from coordinator.etcd_server import EtcdCluster, free_port
-from coordinator.handler import EtcdRendezvousHandler, create_handler
-from coordinator.keys import RunKeys
 from coordinator.rdzvctl import main, run_command
-from coordinator.rdzvctl_cli import parse_args
-from coordinator.state import RdzvState, decode_state, encode_state
+from coordinator.rdzvctl.cli import parse_args
+from coordinator.torch_adapter.handler import EtcdRendezvousHandler, create_handler
 from tests.e2e.agents import Agents
 from tests.rdzv_helpers import Joins, shutdown_all, wait_until
 
@@ -439,8 +439,8 @@ def test_gc_dry_run_lists_and_gc_removes_only_what_it_should(
 def test_gc_spares_a_run_whose_node_joins_during_collection(
     etcd1: EtcdCluster, run_id: str, client: EtcdClient, handlers: list[EtcdRendezvousHandler]
 ) -> None:
-    from coordinator.rdzvctl_model import read_run
-    from coordinator.rdzvctl_ops import collect_run
+    from coordinator.rdzvctl.model import read_run
+    from coordinator.rdzvctl.ops import collect_run
 
     prefix = f"/{run_id}"
     keys = RunKeys(prefix, "job")

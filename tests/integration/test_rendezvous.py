@@ -19,10 +19,10 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
-from coordinator.etcd_client import EtcdClient, EtcdConfig
+from coordinator.core.etcd_client import EtcdClient, EtcdConfig
+from coordinator.core.keys import RunKeys
 from coordinator.etcd_server import EtcdCluster
-from coordinator.handler import EtcdRendezvousHandler
-from coordinator.keys import RunKeys
+from coordinator.torch_adapter.handler import EtcdRendezvousHandler
 from tests.rdzv_helpers import Joins, make_handler, shutdown_all
 
 pytestmark = pytest.mark.integration

@@ -10,9 +10,9 @@ import uuid
 
 import pytest
 
-from coordinator.etcd_client import EtcdClient, EtcdConfig
+from coordinator.core.etcd_client import EtcdClient, EtcdConfig
 from coordinator.etcd_server import EtcdCluster
-from coordinator.handler import EtcdRendezvousHandler
+from coordinator.torch_adapter.handler import EtcdRendezvousHandler
 from tests.rdzv_helpers import Joins, make_handler, metric, shutdown_all
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -23,10 +23,10 @@ import etcd3
 import pytest
 from torch.distributed import DistStoreError, PrefixStore, Store, TCPStore
 
-from coordinator.etcd_client import EtcdClient, EtcdConfig
+from coordinator.core.etcd_client import EtcdClient, EtcdConfig
+from coordinator.core.keys import RunKeys, encode_store_key
 from coordinator.etcd_server import EtcdCluster
-from coordinator.keys import RunKeys, encode_store_key
-from coordinator.store import EtcdStore, delete_round, delete_rounds_before
+from coordinator.torch_adapter.store import EtcdStore, delete_round, delete_rounds_before
 
 pytestmark = pytest.mark.integration
 
@@ -504,8 +504,8 @@ _PG_WORKER = """
 import datetime, sys
 import torch
 import torch.distributed as dist
-from coordinator.etcd_client import EtcdClient, EtcdConfig
-from coordinator.store import EtcdStore
+from coordinator.core.etcd_client import EtcdClient, EtcdConfig
+from coordinator.torch_adapter.store import EtcdStore
 
 endpoint, prefix, rank = sys.argv[1], sys.argv[2].encode(), int(sys.argv[3])
 client = EtcdClient(EtcdConfig(endpoints=(endpoint,)))

@@ -1,4 +1,4 @@
-"""Pure parts of coordinator.etcd_client: parsing, ranges, backoff, error kinds, failover loop.
+"""Pure parts of coordinator.core.etcd_client: parsing, ranges, backoff, error kinds, failover loop.
 
 No server: the failover loop is driven with a fake clock, a recording sleep and attempt
 functions that raise gRPC errors the way a channel does.
@@ -13,9 +13,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator import etcd_client as ec
-from coordinator.errors import ConfigError, EtcdConnectionError, EtcdTLSError
-from coordinator.etcd_client import (
+from coordinator.core import etcd_client as ec
+from coordinator.core.errors import ConfigError, EtcdConnectionError, EtcdTLSError
+from coordinator.core.etcd_client import (
     EtcdClient,
     EtcdConfig,
     backoff_delay,

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coordinator.errors import ConfigError, CorruptValueError
-from coordinator.keys import (
+from coordinator.core.errors import ConfigError, CorruptValueError
+from coordinator.core.keys import (
     DEFAULT_KEY_PREFIX,
     RunKeys,
     decode_store_key,
@@ -231,7 +231,7 @@ def test_join_store_key_needs_a_folder_prefix() -> None:
 
 
 def test_node_id_tag_keeps_ids_apart_when_host_and_pid_repeat() -> None:
-    from coordinator.keys import make_node_id
+    from coordinator.core.keys import make_node_id
 
     assert make_node_id("vm", 1, 0, "a1b2c3") == "vm-1-0-a1b2c3"
     assert make_node_id("vm", 1, 0, "a1b2c3") != make_node_id("vm", 1, 0, "0f0f0f")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from coordinator.etcd_client import KeyValue, WatchEvent
-from coordinator.node_table import NodeTable
-from coordinator.state import NodeInfo, encode_node
+from coordinator.core.etcd_client import KeyValue, WatchEvent
+from coordinator.core.node_table import NodeTable
+from coordinator.core.state import NodeInfo, encode_node
 
 PREFIX = b"/p/run/nodes/"
 

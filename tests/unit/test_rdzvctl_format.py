@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.etcd_client import KeyValue, WatchEvent
-from coordinator.keys import RunKeys
-from coordinator.rdzvctl_cli import parse_args
-from coordinator.rdzvctl_format import (
+from coordinator.core.etcd_client import KeyValue, WatchEvent
+from coordinator.core.keys import RunKeys
+from coordinator.core.state import NodeInfo, RdzvState, encode_node, encode_state
+from coordinator.rdzvctl.cli import parse_args
+from coordinator.rdzvctl.format import (
     change_json,
     change_line,
     gc_json,
@@ -24,10 +25,9 @@ from coordinator.rdzvctl_format import (
     status_lines,
     table,
 )
-from coordinator.rdzvctl_model import NodeView, RunSnapshot, phase, split_run_keys
-from coordinator.rdzvctl_ops import GcResult, gc_verdict
-from coordinator.rdzvctl_watch import Change, Tracker, diff_states
-from coordinator.state import NodeInfo, RdzvState, encode_node, encode_state
+from coordinator.rdzvctl.model import NodeView, RunSnapshot, phase, split_run_keys
+from coordinator.rdzvctl.ops import GcResult, gc_verdict
+from coordinator.rdzvctl.watch import Change, Tracker, diff_states
 
 UTC = datetime.timezone.utc
 KEYS = RunKeys("/etcd-elastic", "demo")

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from coordinator.state import NodeInfo, RdzvState, decode_state, encode_state
-from coordinator.transitions import (
+from coordinator.core.state import NodeInfo, RdzvState, decode_state, encode_state
+from coordinator.core.transitions import (
     Action,
     CoordinatorDecision,
     Limits,

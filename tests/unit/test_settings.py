@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from coordinator.errors import ConfigError
-from coordinator.etcd_client import EtcdConfig
-from coordinator.keys import RunKeys
-from coordinator.settings import KNOWN_CONF_KEYS, RendezvousSettings, parse_endpoints
+from coordinator.core.errors import ConfigError
+from coordinator.core.etcd_client import EtcdConfig
+from coordinator.core.keys import RunKeys
+from coordinator.core.settings import KNOWN_CONF_KEYS, RendezvousSettings, parse_endpoints
 
 _KNOWN = ", ".join(sorted(KNOWN_CONF_KEYS))
 
@@ -196,7 +196,7 @@ def test_compatibility_keys_are_accepted_and_ignored(key: str) -> None:
 
 
 def test_heartbeat_keys_are_logged(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="coordinator.settings"):
+    with caplog.at_level(logging.INFO, logger="coordinator.core.settings"):
         _settings(keep_alive_interval="5")
     assert (
         "rdzv_conf keep_alive_interval='5' is ignored for run job42: etcd leases replace "

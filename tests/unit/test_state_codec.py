@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from coordinator.errors import CorruptValueError
-from coordinator.state import (
+from coordinator.core.errors import CorruptValueError
+from coordinator.core.state import (
     SCHEMA_VERSION,
     NodeInfo,
     RdzvState,
@@ -269,7 +269,7 @@ def test_decode_node_refuses(raw: bytes, reason: str) -> None:
 
 
 def _node_ids(count: int, host: str = "host-name") -> tuple[str, ...]:
-    # <host>-<pid>-<counter>, as coordinator.keys.make_node_id builds them.
+    # <host>-<pid>-<counter>, as coordinator.core.keys.make_node_id builds them.
     return tuple(f"{host}-{i % 1000:03d}-{10_000 + i}-0" for i in range(count))
 
 

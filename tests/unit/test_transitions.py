@@ -12,8 +12,8 @@ import math
 
 import pytest
 
-from coordinator.state import NodeInfo, RdzvState
-from coordinator.transitions import (
+from coordinator.core.state import NodeInfo, RdzvState
+from coordinator.core.transitions import (
     Action,
     ActionKind,
     CoordinatorDecision,

@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from coordinator.errors import CorruptValueError
-from coordinator.etcd_client import KeyValue, WatchEvent
-from coordinator.state import NodeInfo, decode_node
+from coordinator.core.errors import CorruptValueError
+from coordinator.core.etcd_client import KeyValue, WatchEvent
+from coordinator.core.state import NodeInfo, decode_node
 
 __all__ = ["NodeTable"]
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from coordinator.errors import ConfigError, CorruptValueError
-from coordinator.etcd_client import EtcdClient, KeyValue
-from coordinator.keys import RunKeys, validate_run_id
-from coordinator.state import NodeInfo, RdzvState, decode_node, decode_state
+from coordinator.core.errors import ConfigError, CorruptValueError
+from coordinator.core.etcd_client import EtcdClient, KeyValue
+from coordinator.core.keys import RunKeys, validate_run_id
+from coordinator.core.state import NodeInfo, RdzvState, decode_node, decode_state
 
 __all__ = [
     "PHASES",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from coordinator.errors import ConfigError
+from coordinator.core.errors import ConfigError
 
 __all__ = [
     "EtcdConfig",
@@ -102,6 +102,7 @@ class TxnResult:
     succeeded: bool
     revision: int  # header revision after the transaction
     current: KeyValue | None  # the guarded key's value when the compare failed (None: absent)
+    fenced_out: bool = False  # failed because the fence key is gone or was re-created
 
 
 def _kv(pb: Any) -> KeyValue:

@@ -12,8 +12,8 @@ from typing import Any
 import grpc
 from etcd3 import etcdrpc
 
-from coordinator.errors import EtcdAuthError, EtcdConnectionError, EtcdTLSError, LeaseLostError
-from coordinator.etcd_client._failover import (
+from coordinator.core.errors import EtcdAuthError, EtcdConnectionError, EtcdTLSError, LeaseLostError
+from coordinator.core.etcd_client._failover import (
     AUTH_DISABLED,
     AUTH_FAILED,
     AUTH_REQUIRED,
@@ -27,11 +27,11 @@ from coordinator.etcd_client._failover import (
     classify_status,
     run_with_failover,
 )
-from coordinator.etcd_client._types import EtcdConfig
+from coordinator.core.etcd_client._types import EtcdConfig
 
 __all__ = ["Metadata", "_Connection", "_stream_metadata"]
 
-log = logging.getLogger("coordinator.etcd_client")  # one logger for the whole package
+log = logging.getLogger("coordinator.core.etcd_client")  # one logger for the whole package
 Metadata = tuple[tuple[str, str], ...] | None
 
 # One stream per client stays open; keepalive pings find a silently dead member (a

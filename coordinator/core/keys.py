@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from coordinator.errors import ConfigError, CorruptValueError
+from coordinator.core.errors import ConfigError, CorruptValueError
 
 __all__ = [
     "DEFAULT_KEY_PREFIX",

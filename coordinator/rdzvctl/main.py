@@ -1,9 +1,9 @@
 """``rdzvctl``: the operator's view of etcd-elastic runs (status, watch, list, close, gc).
 
-The command line is parsed and checked in :mod:`coordinator.rdzvctl_cli` (exit code 2 on
-a bad value, before anything connects); reads in :mod:`coordinator.rdzvctl_model`,
-the follow loop in :mod:`coordinator.rdzvctl_watch`, writes in
-:mod:`coordinator.rdzvctl_ops`, and what is printed in :mod:`coordinator.rdzvctl_format`.
+The command line is parsed and checked in :mod:`coordinator.rdzvctl.cli` (exit code 2 on
+a bad value, before anything connects); reads in :mod:`coordinator.rdzvctl.model`,
+the follow loop in :mod:`coordinator.rdzvctl.watch`, writes in
+:mod:`coordinator.rdzvctl.ops`, and what is printed in :mod:`coordinator.rdzvctl.format`.
 This module connects them and maps errors to exit codes::
 
     0  done
@@ -26,10 +26,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
-from coordinator.errors import EtcdConnectionError, RendezvousError
-from coordinator.etcd_client import EtcdClient
-from coordinator.keys import RunKeys
-from coordinator.rdzvctl_cli import (
+from coordinator.core.errors import EtcdConnectionError, EtcdElasticError
+from coordinator.core.etcd_client import EtcdClient
+from coordinator.core.executor import StateExecutor
+from coordinator.core.keys import RunKeys
+from coordinator.rdzvctl.cli import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_UNREACHABLE,
@@ -37,7 +38,7 @@ from coordinator.rdzvctl_cli import (
     Options,
     parse_args,
 )
-from coordinator.rdzvctl_format import (
+from coordinator.rdzvctl.format import (
     change_json,
     change_line,
     gc_json,
@@ -47,9 +48,9 @@ from coordinator.rdzvctl_format import (
     status_json,
     status_lines,
 )
-from coordinator.rdzvctl_model import RunSnapshot, list_runs, phase, read_run
-from coordinator.rdzvctl_ops import GcResult, close_run, collect_run, gc_verdict
-from coordinator.rdzvctl_watch import Change, Inbox, follow
+from coordinator.rdzvctl.model import RunSnapshot, list_runs, phase, read_run
+from coordinator.rdzvctl.ops import GcResult, collect_run, gc_verdict
+from coordinator.rdzvctl.watch import Change, Inbox, follow
 
 __all__ = ["main", "run_command"]
 
@@ -143,12 +144,9 @@ def _close(client: EtcdClient, opts: Options, out: _Out) -> int:
     keys = _run_keys(opts)
     _require_run(client, keys)
     reason = opts.reason or f"closed by an operator with rdzvctl on {socket.gethostname()}"
-    outcome = close_run(
-        client,
-        keys.state,
+    outcome = StateExecutor(client, keys, written_by=_operator()).close(
         reason,
         mode="drain",  # agents finish their current attempt, then exit 0
-        written_by=_operator(),
         timeout=_CLOSE_TIMEOUT_S,
     )
     stored = outcome.state.closed_reason
@@ -244,7 +242,7 @@ def run_command(opts: Options, out: TextIO, err: TextIO) -> int:
         # Also EtcdAuthError and EtcdTLSError: the message names the endpoints or files.
         err.write(f"{PROG}: error: {_one_line(str(exc))}\n")
         return EXIT_UNREACHABLE
-    except (_Failed, RendezvousError) as exc:
+    except (_Failed, EtcdElasticError) as exc:
         err.write(f"{PROG}: error: {_one_line(str(exc))}\n")
         return EXIT_FAILED
 

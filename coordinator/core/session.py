@@ -14,7 +14,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from coordinator.etcd_client import EtcdClient, KeepAlive
+from coordinator.core.etcd_client import EtcdClient, KeepAlive
 
 __all__ = ["Session"]
 

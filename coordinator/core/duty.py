@@ -23,13 +23,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from coordinator.errors import CorruptValueError, RendezvousError
-from coordinator.etcd_client import EtcdClient, Watch, WatchEvent
-from coordinator.keys import RunKeys
-from coordinator.node_table import NodeTable
-from coordinator.state import encode_state
-from coordinator.transitions import Limits, apply, decide_coordinator
-from coordinator.view import StateView
+from coordinator.core.errors import CorruptValueError, EtcdElasticError
+from coordinator.core.etcd_client import EtcdClient, Watch, WatchEvent
+from coordinator.core.executor import Fence, StateExecutor
+from coordinator.core.keys import RunKeys
+from coordinator.core.node_table import NodeTable
+from coordinator.core.transitions import Limits, decide_coordinator
+from coordinator.core.view import StateView
 
 __all__ = ["CoordinatorDuty", "Membership"]
 
@@ -125,7 +125,7 @@ class CoordinatorDuty:
                     continue
                 if self._wait_for_turn(me):
                     self._lead(me)
-            except RendezvousError as exc:
+            except EtcdElasticError as exc:
                 # etcd unreachable for the whole retry budget, or similar: try again after
                 # a pause rather than die; the handler surfaces errors to its caller.
                 log.warning("coordinator duty: %s; retrying", exc)
@@ -173,6 +173,10 @@ class CoordinatorDuty:
 
     def _lead(self, me: Membership) -> None:
         log.info("node %s coordinates run %s", me.node_id, self._keys.run_id)
+        executor = StateExecutor(
+            self._client, self._keys, written_by=me.node_id, wall_ms=self._wall_ms
+        )
+        fence = Fence(me.key, me.create_revision)
         watch = self._watch_nodes()
         self.is_leader = True
         deadline: float | None = None
@@ -196,14 +200,10 @@ class CoordinatorDuty:
                 decision = decide_coordinator(state, nodes, self._limits, now, deadline)
                 deadline = decision.last_call_deadline
                 if decision.actions:
-                    new = apply(
-                        state, decision.actions, written_by=me.node_id, now_unix_ms=self._wall_ms()
-                    )
-                    result = self._client.put_if_mod_revision(
-                        self._keys.state,
-                        encode_state(new),
-                        mod_revision,
-                        also_delete_prefixes=self._stale_store_prefixes(state.round, new.round),
+                    result = executor.commit(
+                        (state, mod_revision),
+                        decision.actions,
+                        fence=fence,
                     )
                     if result.succeeded:
                         self.commits += 1
@@ -211,12 +211,19 @@ class CoordinatorDuty:
                             "run %s: committed %s (round %d)",
                             self._keys.run_id,
                             ", ".join(a.kind.value for a in decision.actions),
-                            new.round,
+                            result.state.round,
                         )
-                        self._view.offer_written(new, result.revision)
-                    else:
-                        self.failed_commits += 1
-                        self._view.offer(result.current, result.revision)
+                        self._view.offer_written(result.state, result.revision)
+                        continue
+                    self.failed_commits += 1
+                    self._view.offer(result.current, result.revision)
+                    if result.fenced_out:
+                        log.warning(
+                            "node %s: no longer coordinates run %s: its key is gone or new",
+                            me.node_id,
+                            self._keys.run_id,
+                        )
+                        return
                     continue
                 timeout = None if decision.wake_at == math.inf else decision.wake_at - now
                 self._signal.wait(max(timeout, 0.0) if timeout is not None else None)
@@ -229,13 +236,6 @@ class CoordinatorDuty:
             watch.cancel()
             with self._nodes_lock:
                 self._nodes.reset()
-
-    def _stale_store_prefixes(self, old_round: int, new_round: int) -> list[bytes]:
-        # When round R completes, round R-1's store may still be read by an agent finishing
-        # its exit barrier; R-2's cannot be, so it goes in the same transaction.
-        if new_round == old_round or new_round < 3:
-            return []
-        return [self._keys.store_prefix(new_round - 2)]
 
     # -- node keys ---------------------------------------------------------------------
 

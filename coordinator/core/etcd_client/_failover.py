@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from coordinator.errors import EtcdConnectionError, EtcdTLSError
+from coordinator.core.errors import EtcdConnectionError, EtcdTLSError
 
 __all__ = [
     "AUTH_DISABLED",

@@ -1,11 +1,11 @@
 """The rendezvous state and node records as plain values, and their stored form.
 
 ``RdzvState`` is what the state key holds; ``NodeInfo`` is what a node key holds. Both are
-frozen: the pure functions in :mod:`coordinator.transitions` return new values. The stored
+frozen: the pure functions in :mod:`coordinator.core.transitions` return new values. The stored
 form is the protobuf schema in ``proto/rendezvous.proto`` written with protobuf's JSON
 mapping, so ``etcdctl get`` shows it readably. Decoding never executes anything: a value
 that is not valid JSON of our schema, or has a newer ``schema_version``, raises
-:class:`~coordinator.errors.CorruptValueError` naming the key.
+:class:`~coordinator.core.errors.CorruptValueError` naming the key.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Literal
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from coordinator.errors import CorruptValueError
+from coordinator.core.errors import CorruptValueError
 from coordinator.generated import rendezvous_pb2 as pb
 
 __all__ = [

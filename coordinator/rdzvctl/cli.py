@@ -16,11 +16,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, NoReturn
 
-from coordinator.errors import ConfigError
-from coordinator.etcd_client import EtcdConfig
-from coordinator.keys import DEFAULT_KEY_PREFIX, validate_key_prefix, validate_run_id
-from coordinator.rdzvctl_format import parse_duration
-from coordinator.settings import parse_endpoints
+from coordinator.core.errors import ConfigError
+from coordinator.core.etcd_client import EtcdConfig
+from coordinator.core.keys import DEFAULT_KEY_PREFIX, validate_key_prefix, validate_run_id
+from coordinator.core.settings import parse_endpoints
+from coordinator.rdzvctl.format import parse_duration
 
 __all__ = [
     "COMMANDS",

@@ -11,11 +11,11 @@ from typing import Any, TypeVar
 import grpc
 from etcd3 import etcdrpc
 
-from coordinator.errors import EtcdConnectionError, LeaseLostError
-from coordinator.etcd_client._connection import _Connection
-from coordinator.etcd_client._failover import NOT_FOUND, _status, classify_status
-from coordinator.etcd_client._keepalive import KeepAlive
-from coordinator.etcd_client._types import (
+from coordinator.core.errors import EtcdConnectionError, LeaseLostError
+from coordinator.core.etcd_client._connection import _Connection
+from coordinator.core.etcd_client._failover import NOT_FOUND, _status, classify_status
+from coordinator.core.etcd_client._keepalive import KeepAlive
+from coordinator.core.etcd_client._types import (
     EtcdConfig,
     KeyValue,
     TxnResult,
@@ -23,7 +23,7 @@ from coordinator.etcd_client._types import (
     _kv,
     prefix_range_end,
 )
-from coordinator.etcd_client._watch import Watch, _Watcher, _WatchState
+from coordinator.core.etcd_client._watch import Watch, _Watcher, _WatchState
 
 T = TypeVar("T")
 
@@ -153,7 +153,12 @@ class EtcdClient(_Connection):
         return self._delete_range("delete_prefix", prefix, prefix_range_end(prefix))
 
     def _guarded_txn(
-        self, what: str, key: bytes, mod_revision: int, success: list[Any]
+        self,
+        what: str,
+        key: bytes,
+        mod_revision: int,
+        success: list[Any],
+        fence: tuple[bytes, int] | None = None,
     ) -> TxnResult:
         if mod_revision == 0:
             # Revision 0 means "the key must not exist": an absent key has version 0.
@@ -167,22 +172,39 @@ class EtcdClient(_Connection):
                 result=etcdrpc.Compare.EQUAL,
                 mod_revision=mod_revision,
             )
-        request = etcdrpc.TxnRequest(
-            compare=[compare],
-            success=success,
-            # A lost race reads the winner's value in the same round trip.
-            failure=[etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key))],
-        )
+        compares = [compare]
+        # A lost race reads the winner's value in the same round trip.
+        failure = [etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key))]
+        if fence is not None:
+            # The writer's own key must still be the one it was elected with (etcd's
+            # election recipe): a key that is gone has create revision 0 and fails too.
+            fence_key, create_revision = fence
+            compares.append(
+                etcdrpc.Compare(
+                    key=fence_key,
+                    target=etcdrpc.Compare.CREATE,
+                    result=etcdrpc.Compare.EQUAL,
+                    create_revision=create_revision,
+                )
+            )
+            failure.append(
+                etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=fence_key, keys_only=True))
+            )
+        request = etcdrpc.TxnRequest(compare=compares, success=success, failure=failure)
         # Retrying after an unknown outcome (a timeout, a member dying mid-call) is safe:
         # if the first attempt committed, the key's mod_revision moved, so the retry's
         # compare fails and returns the current value, which the caller re-examines (it
         # sees its own write) instead of the write being applied twice.
         rsp = self._unary(what, lambda s, t, m: s.kv.Txn(request, timeout=t, metadata=m), key=key)
         current = None
+        fenced_out = False
         if not rsp.succeeded and rsp.responses:
             kvs = rsp.responses[0].response_range.kvs
             current = _kv(kvs[0]) if kvs else None
-        return TxnResult(bool(rsp.succeeded), int(rsp.header.revision), current)
+            if fence is not None:
+                fence_kvs = rsp.responses[1].response_range.kvs
+                fenced_out = not fence_kvs or int(fence_kvs[0].create_revision) != fence[1]
+        return TxnResult(bool(rsp.succeeded), int(rsp.header.revision), current, fenced_out)
 
     def put_if_mod_revision(
         self,
@@ -193,12 +215,15 @@ class EtcdClient(_Connection):
         lease: int = 0,
         also_put: Sequence[tuple[bytes, bytes, int]] = (),
         also_delete_prefixes: Sequence[bytes] = (),
+        fence: tuple[bytes, int] | None = None,
     ) -> TxnResult:
         """Put ``key`` only if its mod_revision is still ``mod_revision`` (0: absent).
 
         On success also puts each ``(key, value, lease)`` of ``also_put`` and deletes
         each prefix of ``also_delete_prefixes``, all in one transaction. On failure the
-        result carries the key's current value.
+        result carries the key's current value. With ``fence=(key, create_revision)``
+        the write also requires that key to exist with that create revision; a failure
+        because it does not sets ``fenced_out``.
 
         Raises:
             ValueError: a key is written twice, or a put falls under a deleted prefix
@@ -217,7 +242,7 @@ class EtcdClient(_Connection):
             )
             for p in also_delete_prefixes
         ]
-        return self._guarded_txn("put_if_mod_revision", key, mod_revision, success)
+        return self._guarded_txn("put_if_mod_revision", key, mod_revision, success, fence)
 
     def delete_if_mod_revision(self, key: bytes, mod_revision: int) -> TxnResult:
         """Delete ``key`` only if its mod_revision is still ``mod_revision``."""

@@ -6,7 +6,7 @@ generated stubs and messages (``etcd3.etcdrpc``); channels, failover, retries, a
 tokens, watch streams and keep-alive streams are ours (docs/decisions/etcd-client.md).
 
 Error boundary: no ``grpc.RpcError`` leaves this package. Every failure becomes a
-``coordinator.errors`` type (``raise … from exc``):
+``coordinator.core.errors`` type (``raise … from exc``):
 
 * no member answered within ``retry_budget`` → ``EtcdConnectionError`` naming every
   endpoint tried and the last gRPC status;
@@ -32,26 +32,26 @@ Layout, one concept per module (import from this package, not from them):
 * ``_watch``: ``Watch``, every watch of a client on one resumable stream.
 """
 
-from coordinator.etcd_client._client import EtcdClient
+from coordinator.core.etcd_client._client import EtcdClient
 
 # Not public, but importable from here as before the split: the unit tests pin the failure
 # kinds of classify_status() and drive run_with_failover() with a _Ring.
-from coordinator.etcd_client._failover import AUTH_DISABLED as AUTH_DISABLED
-from coordinator.etcd_client._failover import AUTH_FAILED as AUTH_FAILED
-from coordinator.etcd_client._failover import AUTH_REQUIRED as AUTH_REQUIRED
-from coordinator.etcd_client._failover import FATAL as FATAL
-from coordinator.etcd_client._failover import NOT_FOUND as NOT_FOUND
-from coordinator.etcd_client._failover import PERMISSION as PERMISSION
-from coordinator.etcd_client._failover import REAUTH as REAUTH
-from coordinator.etcd_client._failover import RETRY as RETRY
-from coordinator.etcd_client._failover import _Ring as _Ring
-from coordinator.etcd_client._failover import (
+from coordinator.core.etcd_client._failover import AUTH_DISABLED as AUTH_DISABLED
+from coordinator.core.etcd_client._failover import AUTH_FAILED as AUTH_FAILED
+from coordinator.core.etcd_client._failover import AUTH_REQUIRED as AUTH_REQUIRED
+from coordinator.core.etcd_client._failover import FATAL as FATAL
+from coordinator.core.etcd_client._failover import NOT_FOUND as NOT_FOUND
+from coordinator.core.etcd_client._failover import PERMISSION as PERMISSION
+from coordinator.core.etcd_client._failover import REAUTH as REAUTH
+from coordinator.core.etcd_client._failover import RETRY as RETRY
+from coordinator.core.etcd_client._failover import _Ring as _Ring
+from coordinator.core.etcd_client._failover import (
     backoff_delay,
     classify_status,
     run_with_failover,
 )
-from coordinator.etcd_client._keepalive import KeepAlive
-from coordinator.etcd_client._types import (
+from coordinator.core.etcd_client._keepalive import KeepAlive
+from coordinator.core.etcd_client._types import (
     EtcdConfig,
     KeyValue,
     TxnResult,
@@ -59,7 +59,7 @@ from coordinator.etcd_client._types import (
     parse_endpoint,
     prefix_range_end,
 )
-from coordinator.etcd_client._watch import Watch
+from coordinator.core.etcd_client._watch import Watch
 
 __all__ = [
     "EtcdClient",

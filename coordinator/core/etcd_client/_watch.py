@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import grpc
 from etcd3 import etcdrpc
 
-from coordinator.errors import EtcdAuthError, EtcdConnectionError
-from coordinator.etcd_client._connection import Metadata, _stream_metadata
-from coordinator.etcd_client._failover import (
+from coordinator.core.errors import EtcdAuthError, EtcdConnectionError
+from coordinator.core.etcd_client._connection import Metadata, _stream_metadata
+from coordinator.core.etcd_client._failover import (
     AUTH_REQUIRED,
     PERMISSION,
     REAUTH,
@@ -25,14 +25,14 @@ from coordinator.etcd_client._failover import (
     classify_status,
     unreachable,
 )
-from coordinator.etcd_client._types import EtcdConfig, WatchEvent, _kv
+from coordinator.core.etcd_client._types import EtcdConfig, WatchEvent, _kv
 
 if TYPE_CHECKING:
-    from coordinator.etcd_client._client import EtcdClient
+    from coordinator.core.etcd_client._client import EtcdClient
 
 __all__ = ["Watch", "_WatchState", "_Watcher"]
 
-log = logging.getLogger("coordinator.etcd_client")  # one logger for the whole package
+log = logging.getLogger("coordinator.core.etcd_client")  # one logger for the whole package
 
 
 # -- watches ---------------------------------------------------------------------------------

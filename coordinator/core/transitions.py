@@ -27,7 +27,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from coordinator.state import CloseMode, NodeInfo, RdzvState
+from coordinator.core.state import CloseMode, NodeInfo, RdzvState
 
 __all__ = [
     "Action",

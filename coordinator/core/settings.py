@@ -1,7 +1,7 @@
 """Rendezvous settings: what ``--rdzv-endpoint``, ``--rdzv-id`` and ``--rdzv-conf`` mean.
 
 Built once from torch's ``RendezvousParameters`` and validated completely before anything
-connects; every error is a :class:`~coordinator.errors.ConfigError` whose message names
+connects; every error is a :class:`~coordinator.core.errors.ConfigError` whose message names
 the flag or ``rdzv_conf`` key, the offending value, and the rule.
 
 ``rdzv_conf`` keys (values arrive as strings from the command line, or as numbers when a
@@ -37,22 +37,39 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
-from torch.distributed.elastic.rendezvous import RendezvousParameters
-
-from coordinator.errors import ConfigError
-from coordinator.etcd_client import EtcdConfig
-from coordinator.keys import DEFAULT_KEY_PREFIX, RunKeys, validate_key_prefix, validate_run_id
+from coordinator.core.errors import ConfigError
+from coordinator.core.etcd_client import EtcdConfig
+from coordinator.core.keys import DEFAULT_KEY_PREFIX, RunKeys, validate_key_prefix, validate_run_id
 
 __all__ = [
     "IGNORED_CONF_KEYS",
     "KNOWN_CONF_KEYS",
+    "ParametersLike",
     "RendezvousSettings",
     "parse_endpoints",
 ]
 
 log = logging.getLogger(__name__)
+
+
+class ParametersLike(Protocol):
+    """What settings read of torch's ``RendezvousParameters`` (the core imports no torch)."""
+
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def endpoint(self) -> str: ...
+    @property
+    def min_nodes(self) -> int: ...
+    @property
+    def max_nodes(self) -> int: ...
+    @property
+    def local_addr(self) -> str | None: ...
+    @property
+    def config(self) -> dict[str, Any]: ...
+
 
 _TIMEOUT_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "read_timeout", "timeout")
 _OWN_CONF_KEYS = (
@@ -293,7 +310,7 @@ class RendezvousSettings:
             raise ConfigError(f"rdzv_conf {given} is set without {missing}: give both or neither")
 
     @classmethod
-    def from_parameters(cls, params: RendezvousParameters) -> RendezvousSettings:
+    def from_parameters(cls, params: ParametersLike) -> RendezvousSettings:
         """Build settings from torch's ``RendezvousParameters``.
 
         Raises:

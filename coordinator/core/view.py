@@ -6,7 +6,7 @@ that the watch signals: no polling. Listeners hear of every change (from the wat
 thread: they must not block).
 
 A value that does not decode is kept as an error, not retried in a loop: every reader
-gets the same :class:`~coordinator.errors.CorruptValueError` (naming the key) until a
+gets the same :class:`~coordinator.core.errors.CorruptValueError` (naming the key) until a
 valid value is written.
 """
 
@@ -16,10 +16,10 @@ import logging
 import threading
 from collections.abc import Callable
 
-from coordinator.errors import CorruptValueError
-from coordinator.etcd_client import EtcdClient, KeyValue, Watch, WatchEvent
-from coordinator.listeners import Listener, Listeners
-from coordinator.state import RdzvState, decode_state
+from coordinator.core.errors import CorruptValueError
+from coordinator.core.etcd_client import EtcdClient, KeyValue, Watch, WatchEvent
+from coordinator.core.listeners import Listener, Listeners
+from coordinator.core.state import RdzvState, decode_state
 
 __all__ = ["StateView"]
 

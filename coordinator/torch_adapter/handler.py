@@ -41,24 +41,26 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStoreInfo,
 )
 
-from coordinator.closing import close_run
-from coordinator.duty import CoordinatorDuty, Membership
-from coordinator.errors import (
+from coordinator.core.duty import CoordinatorDuty, Membership
+from coordinator.core.errors import (
+    EtcdElasticError,
     JoinTimeoutError,
     LeaseLostError,
-    RendezvousError,
+    NodeLeftError,
     RunClosedError,
 )
-from coordinator.etcd_client import EtcdClient
-from coordinator.etcd_server import free_port
-from coordinator.keys import make_node_id
-from coordinator.listeners import Listeners
-from coordinator.session import Session
-from coordinator.settings import RendezvousSettings
-from coordinator.state import CloseMode, NodeInfo, RdzvState, encode_node
-from coordinator.store import EtcdStore
-from coordinator.transitions import Limits, NodeAction, decide_node
-from coordinator.view import StateView
+from coordinator.core.etcd_client import EtcdClient
+from coordinator.core.executor import StateExecutor
+from coordinator.core.keys import make_node_id
+from coordinator.core.listeners import Listeners
+from coordinator.core.ports import free_port
+from coordinator.core.session import Session
+from coordinator.core.settings import RendezvousSettings
+from coordinator.core.state import CloseMode, NodeInfo, RdzvState, encode_node
+from coordinator.core.transitions import Limits, NodeAction, decide_node
+from coordinator.core.view import StateView
+from coordinator.torch_adapter.errors import torch_errors
+from coordinator.torch_adapter.store import EtcdStore
 
 __all__ = ["EtcdRendezvousHandler", "create_handler"]
 
@@ -123,7 +125,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def _started_view(self) -> StateView:
         with self._lock:
             if self._left:
-                raise RendezvousError(f"node {self.node_id} has left run {self._keys.run_id}")
+                raise NodeLeftError(f"node {self.node_id} has left run {self._keys.run_id}")
             if self._view is None:
                 view = StateView(self._etcd(), self._keys.state)
                 view.subscribe(self._notify)
@@ -221,6 +223,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         # the agents' (it lives in etcd and is scoped to one round).
         return False
 
+    @torch_errors
     def next_rendezvous(self) -> RendezvousInfo:
         view = self._started_view()
         run_id = self._keys.run_id
@@ -276,10 +279,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
         )
         return RendezvousInfo(store, rank, len(state.participants), bootstrap)
 
+    @torch_errors
     def is_closed(self) -> bool:
         state, _ = self._started_view().snapshot()
         return state.closed
 
+    @torch_errors
     def set_closed(self, reason: str = "closed by an agent", mode: CloseMode = "finished") -> None:
         """Close the run for everyone (torch's contract), saying why and how.
 
@@ -289,12 +294,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 and exit non-zero) or ``drain`` (finish the current attempt, then exit 0).
         """
         view = self._started_view()
-        outcome = close_run(
-            self._etcd(),
-            self._keys.state,
+        executor = StateExecutor(self._etcd(), self._keys, written_by=self.node_id)
+        outcome = executor.close(
             reason,
             mode=mode,
-            written_by=self.node_id,
             timeout=self._settings.close_timeout,
             known=view.snapshot(),
             on_conflict=view.offer,
@@ -318,6 +321,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             view = self._view
         return view.peek().closed_reason if view is not None else ""
 
+    @torch_errors
     def num_nodes_waiting(self) -> int:
         with self._lock:
             view = self._view
@@ -328,12 +332,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def get_run_id(self) -> str:
         return self._keys.run_id
 
+    @torch_errors
     def shutdown(self) -> bool:
         try:
             if not self._left:
                 self.set_closed("shutdown by an agent")
             return True
-        except RendezvousError as exc:
+        except EtcdElasticError as exc:
             log.warning("node %s could not close run %s: %s", self.node_id, self.get_run_id(), exc)
             return False
         finally:
@@ -350,6 +355,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         """Whether this node currently holds the coordinator duty."""
         return self._duty is not None and self._duty.is_leader
 
+    @torch_errors
     def leave(self) -> None:
         """Leave the run without closing it: stop watching, revoke the lease. Idempotent."""
         with self._lock:
@@ -366,7 +372,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if session is not None:
             try:
                 session.close(revoke=True)
-            except RendezvousError as exc:
+            except EtcdElasticError as exc:
                 log.warning("node %s: lease not revoked (%s); it expires by TTL", self.node_id, exc)
         if self._own_client and self._client is not None:
             self._client.close()

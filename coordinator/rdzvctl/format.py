@@ -12,9 +12,9 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from coordinator.rdzvctl_model import NodeView, RunSnapshot, joining, phase
-from coordinator.rdzvctl_ops import GcResult, GcVerdict
-from coordinator.rdzvctl_watch import Change
+from coordinator.rdzvctl.model import NodeView, RunSnapshot, joining, phase
+from coordinator.rdzvctl.ops import GcResult, GcVerdict
+from coordinator.rdzvctl.watch import Change
 
 __all__ = [
     "change_json",

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from etcd3 import etcdrpc
 
-from coordinator.errors import EtcdConnectionError
-from coordinator.etcd_client._connection import Metadata, _stream_metadata
-from coordinator.etcd_client._failover import (
+from coordinator.core.errors import EtcdConnectionError
+from coordinator.core.etcd_client._connection import Metadata, _stream_metadata
+from coordinator.core.etcd_client._failover import (
     REAUTH,
     RETRY,
     _status,
@@ -21,11 +21,11 @@ from coordinator.etcd_client._failover import (
 )
 
 if TYPE_CHECKING:
-    from coordinator.etcd_client._client import EtcdClient
+    from coordinator.core.etcd_client._client import EtcdClient
 
 __all__ = ["KeepAlive"]
 
-log = logging.getLogger("coordinator.etcd_client")  # one logger for the whole package
+log = logging.getLogger("coordinator.core.etcd_client")  # one logger for the whole package
 
 
 # -- lease keep-alive --------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Workers and agents use it exactly like torch's ``TCPStore`` (the contract suite 
 ``tests/integration/test_store.py`` runs against both), but nothing lives inside one
 agent: losing any host loses no key. Every Store key sits under one round's folder,
 ``<key_prefix>/<run_id>/store/<round>/``, percent-encoded by
-:func:`coordinator.keys.join_store_key` so no key can leave it.
+:func:`coordinator.core.keys.join_store_key` so no key can leave it.
 
 Semantics, case by case (as ``TCPStore`` behaves in torch 2.13):
 
@@ -38,9 +38,9 @@ from torch.distributed import (  # type: ignore[attr-defined]
     Store,
 )
 
-from coordinator.errors import EtcdConnectionError
-from coordinator.etcd_client import EtcdClient, KeyValue, WatchEvent
-from coordinator.keys import decode_store_key, join_store_key, round_store_prefix
+from coordinator.core.errors import EtcdConnectionError
+from coordinator.core.etcd_client import EtcdClient, KeyValue, WatchEvent
+from coordinator.core.keys import decode_store_key, join_store_key, round_store_prefix
 
 __all__ = ["EtcdStore", "delete_round", "delete_rounds_before"]
 
@@ -61,7 +61,7 @@ class EtcdStore(Store):
     """A torch Store over etcd, holding the keys of one run's round.
 
     Args:
-        client: an open :class:`~coordinator.etcd_client.EtcdClient`; shared, not owned.
+        client: an open :class:`~coordinator.core.etcd_client.EtcdClient`; shared, not owned.
         prefix: the round's folder, ``RunKeys.store_prefix(round)`` (ends with ``/``).
         timeout: default timeout of blocking ``get``/``wait``/``multi_get``
             (``set_timeout`` changes it).
@@ -288,7 +288,7 @@ class EtcdStore(Store):
         """The key's value once it exists, or None at ``deadline``.
 
         Raises:
-            the error etcd cancelled the watch with (a ``coordinator.errors`` type).
+            the error etcd cancelled the watch with (a ``coordinator.core.errors`` type).
         """
         kv, _ = self._client.get(etcd_key)
         if kv is not None:

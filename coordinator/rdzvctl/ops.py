@@ -1,30 +1,27 @@
-"""The writes ``rdzvctl`` makes: close a run, and garbage-collect finished or abandoned ones.
+"""``rdzvctl gc``: garbage-collect finished or abandoned runs.
 
-:func:`~coordinator.closing.close_run` is the revision-guarded close every closer shares
-(re-exported here). :func:`gc_verdict` decides,
-purely, whether a run's keys may go; :func:`collect_run` removes them with guarded
-writes. Safety rule of gc: a run with any node key (a live lease) is never touched, and
-node keys are never deleted by gc at all: they go only when their lease ends.
+:func:`gc_verdict` decides, purely, whether a run's keys may go; :func:`collect_run`
+removes them through the state's one writer,
+:class:`~coordinator.core.executor.StateExecutor` (which ``rdzvctl close`` uses too).
+
+Safety rule of gc: a run with any node key (a live lease) is never touched, and node keys
+are never deleted by gc at all: they go only when their lease ends.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
-from coordinator.closing import CloseOutcome, close_run
-from coordinator.etcd_client import EtcdClient
-from coordinator.keys import RunKeys
-from coordinator.rdzvctl_model import RunSnapshot
-from coordinator.state import encode_state
-from coordinator.transitions import apply, close
+from coordinator.core.etcd_client import EtcdClient
+from coordinator.core.executor import StateExecutor
+from coordinator.core.keys import RunKeys
+from coordinator.core.transitions import close
+from coordinator.rdzvctl.model import RunSnapshot
 
 __all__ = [
     "GC_REASON",
-    "CloseOutcome",
     "GcResult",
     "GcVerdict",
-    "close_run",
     "collect_run",
     "gc_verdict",
 ]
@@ -122,17 +119,11 @@ def collect_run(client: EtcdClient, snapshot: RunSnapshot, *, written_by: str) -
     """
     keys: RunKeys = snapshot.keys
     state = snapshot.effective_state
-    closed = apply(
-        state,
+    executor = StateExecutor(client, keys, written_by=written_by)
+    first = executor.commit(
+        (state, snapshot.state_mod_revision),
         close(state, GC_REASON, "finished"),
-        written_by=written_by,
-        now_unix_ms=int(time.time() * 1000),
-    )
-    first = client.put_if_mod_revision(
-        keys.state,
-        encode_state(closed),
-        snapshot.state_mod_revision,
-        also_delete_prefixes=[keys.store_root],
+        delete_prefixes=[keys.store_root],
     )
     if not first.succeeded:
         return GcResult(snapshot.run_id, False, "skipped: its state changed since it was read")
@@ -143,8 +134,7 @@ def collect_run(client: EtcdClient, snapshot: RunSnapshot, *, written_by: str) -
             False,
             f"stopped: {alive} node(s) joined while it was being removed; it is left closed",
         )
-    second = client.delete_if_mod_revision(keys.state, first.revision)
-    if not second.succeeded:
+    if not executor.remove(first.revision):
         return GcResult(snapshot.run_id, False, "stopped: its state changed during removal")
     left = f"; {len(snapshot.foreign_keys)} foreign key(s) left" if snapshot.foreign_keys else ""
     return GcResult(snapshot.run_id, True, f"removed {snapshot.store_keys + 1} key(s){left}")

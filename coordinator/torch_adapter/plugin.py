@@ -1,7 +1,7 @@
 """The ``torchrun.handlers`` entry point (``torchrun --rdzv-backend=etcd-v3``).
 
 torch loads entry points and calls them while its rendezvous package is still importing,
-possibly in the middle of importing one of our modules (``coordinator.errors`` imports
+possibly in the middle of importing one of our modules (``coordinator.core.errors`` imports
 torch's rendezvous API). Importing our handler then would find our own modules
 half-initialised, so the creator imports it only when torch creates a handler.
 """
@@ -24,7 +24,7 @@ def handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:
     """Return the creator torch registers under ``etcd-v3``."""
 
     def create(params: RendezvousParameters) -> RendezvousHandler:
-        from coordinator.handler import create_handler
+        from coordinator.torch_adapter.handler import create_handler
 
         return create_handler(params)
 

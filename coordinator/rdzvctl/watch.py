@@ -16,11 +16,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from coordinator.errors import CorruptValueError
-from coordinator.etcd_client import EtcdClient, WatchEvent
-from coordinator.keys import RunKeys
-from coordinator.rdzvctl_model import RunSnapshot, decode_nodes, read_run
-from coordinator.state import NodeInfo, RdzvState, decode_state
+from coordinator.core.errors import CorruptValueError
+from coordinator.core.etcd_client import EtcdClient, WatchEvent
+from coordinator.core.keys import RunKeys
+from coordinator.core.state import NodeInfo, RdzvState, decode_state
+from coordinator.rdzvctl.model import RunSnapshot, decode_nodes, read_run
 
 __all__ = ["Change", "Inbox", "Tracker", "diff_states", "follow"]
 

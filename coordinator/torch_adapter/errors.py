@@ -1,0 +1,136 @@
+"""The core's errors as torch's types, for torch's callers (its agent and ours).
+
+Each class has the core's name and subclasses both the core class and the torch error a
+caller catches, so ``except coordinator.core.errors.RunClosedError`` and ``except
+torch…RendezvousClosedError`` both hold::
+
+    torch RendezvousError
+    ├── RendezvousClosedError      ← RunClosedError
+    ├── RendezvousTimeoutError     ← JoinTimeoutError
+    ├── RendezvousConnectionError  ← EtcdConnectionError ← EtcdAuthError, EtcdTLSError
+    ├── RendezvousStateError       ← CorruptValueError
+    ├── LeaseLostError
+    ├── NodeLeftError
+    └── RendezvousFailedError      any other core error
+
+:func:`torch_errors` is the one boundary: it wraps the handler's and the Store's public
+methods and re-raises a core error as its torch-typed twin (same message, same
+attributes, same traceback).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+)
+
+from coordinator.core import errors as core
+
+__all__ = [
+    "CorruptValueError",
+    "EtcdAuthError",
+    "EtcdConnectionError",
+    "EtcdTLSError",
+    "JoinTimeoutError",
+    "LeaseLostError",
+    "NodeLeftError",
+    "RendezvousClosedError",
+    "RendezvousConnectionError",
+    "RendezvousError",
+    "RendezvousFailedError",
+    "RendezvousStateError",
+    "RendezvousTimeoutError",
+    "RunClosedError",
+    "as_torch_error",
+    "torch_errors",
+]
+
+
+class RunClosedError(core.RunClosedError, RendezvousClosedError):
+    """See :class:`coordinator.core.errors.RunClosedError`."""
+
+
+class JoinTimeoutError(core.JoinTimeoutError, RendezvousTimeoutError):
+    """See :class:`coordinator.core.errors.JoinTimeoutError`."""
+
+
+class EtcdConnectionError(core.EtcdConnectionError, RendezvousConnectionError):
+    """See :class:`coordinator.core.errors.EtcdConnectionError`."""
+
+
+class EtcdAuthError(core.EtcdAuthError, EtcdConnectionError):
+    """See :class:`coordinator.core.errors.EtcdAuthError`."""
+
+
+class EtcdTLSError(core.EtcdTLSError, EtcdConnectionError):
+    """See :class:`coordinator.core.errors.EtcdTLSError`."""
+
+
+class CorruptValueError(core.CorruptValueError, RendezvousStateError):
+    """See :class:`coordinator.core.errors.CorruptValueError`."""
+
+
+class LeaseLostError(core.LeaseLostError, RendezvousError):
+    """See :class:`coordinator.core.errors.LeaseLostError`."""
+
+
+class NodeLeftError(core.NodeLeftError, RendezvousError):
+    """See :class:`coordinator.core.errors.NodeLeftError`."""
+
+
+class RendezvousFailedError(core.EtcdElasticError, RendezvousError):
+    """Any other core error, as a torch ``RendezvousError``."""
+
+
+# Most specific first: the first match wins.
+_TWINS: tuple[tuple[type[core.EtcdElasticError], type[core.EtcdElasticError]], ...] = (
+    (core.EtcdAuthError, EtcdAuthError),
+    (core.EtcdTLSError, EtcdTLSError),
+    (core.EtcdConnectionError, EtcdConnectionError),
+    (core.RunClosedError, RunClosedError),
+    (core.JoinTimeoutError, JoinTimeoutError),
+    (core.CorruptValueError, CorruptValueError),
+    (core.LeaseLostError, LeaseLostError),
+    (core.NodeLeftError, NodeLeftError),
+    (core.EtcdElasticError, RendezvousFailedError),
+)
+
+
+def as_torch_error(exc: core.EtcdElasticError) -> BaseException:
+    """``exc`` as its torch-typed twin (``exc`` itself if it already is one)."""
+    if isinstance(exc, RendezvousError):
+        return exc
+    for source, twin in _TWINS:
+        if isinstance(exc, source):
+            copy = twin.__new__(twin)
+            copy.args = exc.args
+            copy.__dict__.update(exc.__dict__)
+            copy.__cause__ = exc.__cause__
+            copy.__suppress_context__ = exc.__suppress_context__
+            return copy.with_traceback(exc.__traceback__)
+    raise AssertionError("unreachable: the root has a twin")
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def torch_errors(method: Callable[P, R]) -> Callable[P, R]:
+    """Wrap ``method`` so a core error leaves it as its torch-typed twin."""
+
+    @functools.wraps(method)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return method(*args, **kwargs)
+        except core.EtcdElasticError as exc:
+            raise as_torch_error(exc) from exc.__cause__
+
+    return wrapper

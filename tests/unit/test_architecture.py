@@ -1,0 +1,121 @@
+"""The layering rules of docs/architecture.md, checked on the source and on a real import.
+
+Static: every ``import`` in a package's modules (at any depth, including those under
+``if TYPE_CHECKING``) must name a package that the layer may use. Dynamic: importing the
+core and the operator CLI in a fresh interpreter loads no torch, and the handler's import
+path does not load the etcd process manager.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Our own packages each layer may import (third-party and stdlib are checked separately).
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "coordinator.core": ("coordinator.core", "coordinator.generated"),
+    "coordinator.rdzvctl": ("coordinator.rdzvctl", "coordinator.core"),
+    "coordinator.torch_adapter": ("coordinator.torch_adapter", "coordinator.core"),
+    "coordinator.etcd_server": ("coordinator.core.ports",),
+    "agent": ("agent", "coordinator.torch_adapter", "coordinator.core", "coordinator.etcd_server"),
+}
+# The core and the operator CLI run where torch may be absent (and must start fast).
+NO_TORCH = ("coordinator.core", "coordinator.rdzvctl", "coordinator.etcd_server")
+OURS = ("coordinator", "agent", "benchmarks", "tests", "examples")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _layer(module: str) -> str | None:
+    matches = [layer for layer in ALLOWED if module == layer or module.startswith(layer + ".")]
+    return max(matches, key=len) if matches else None
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def _sources() -> list[Path]:
+    files = [*(ROOT / "coordinator").rglob("*.py"), *(ROOT / "agent").rglob("*.py")]
+    return sorted(p for p in files if "generated" not in p.parts)
+
+
+def _check(path: Path, module: str) -> list[str]:
+    layer = _layer(module)
+    if layer is None:
+        return [] if module == "coordinator" else [f"{module}: belongs to no layer"]
+    found = []
+    for line, name in _imports(path):
+        top = name.split(".")[0]
+        where = f"{path.name}:{line} imports {name}"
+        if top in OURS:
+            if not any(name == ok or name.startswith(ok + ".") for ok in ALLOWED[layer]):
+                found.append(f"{where}, which layer {layer} may not use")
+        elif top == "torch" and layer in NO_TORCH:
+            found.append(f"{where}: layer {layer} must import without torch")
+    return found
+
+
+def _violations() -> list[str]:
+    return [v for path in _sources() for v in _check(path, _module_name(path))]
+
+
+def test_every_import_follows_the_layers() -> None:
+    assert _violations() == []
+
+
+def test_the_checker_sees_a_forbidden_import(tmp_path: Path) -> None:
+    # The rule above is only worth something if a broken layer shows up: check the checker
+    # on a module written the wrong way.
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "import json\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n"
+        "def f() -> None:\n    from coordinator.torch_adapter.handler import x\n"
+    )
+    assert _check(bad, "coordinator.core.keys") == [
+        "bad.py:4 imports torch: layer coordinator.core must import without torch",
+        "bad.py:6 imports coordinator.torch_adapter.handler, which layer coordinator.core "
+        "may not use",
+    ]
+    assert _check(bad, "coordinator.torch_adapter.store") == []
+    assert _check(bad, "coordinator.stray") == ["coordinator.stray: belongs to no layer"]
+
+
+@pytest.mark.parametrize(
+    ("modules", "absent"),
+    [
+        (["coordinator.rdzvctl", "coordinator.core.executor", "coordinator.core.duty"], "torch"),
+        (["coordinator.core.settings", "coordinator.core.view"], "torch"),
+        (["coordinator.torch_adapter.handler"], "coordinator.etcd_server"),
+    ],
+    ids=["operator-cli", "core", "handler-without-process-manager"],
+)
+def test_import_does_not_load(modules: list[str], absent: str) -> None:
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        f"print({absent!r} in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False", f"importing {modules} loaded {absent}"
