@@ -1,0 +1,93 @@
+"""Names of the history events the chaos checker reads, and the harness's own events.
+
+Agent events are documented in ``agent/history.py``, worker events in
+``tests/chaos/worker.py``. The harness (``src="harness"``) records:
+
+``run_start`` {run, seed, faults, agents, nproc, min_nodes, max_nodes, lease_ttl,
+step_s, endpoints}
+    Before the first agent starts; the checker takes its bounds from here.
+``agent_started`` {slot, agent_pid}
+    An ``etcdrun`` process started in agent slot ``slot``. The harness does not know
+    node ids: agent and worker events are tied to it by the agent's pid (``pid`` itself
+    is every line's recording process, here the harness).
+``agent_killed`` {slot, agent_pid, signal}
+    The harness sent SIGKILL (the agent is dead from here) or SIGTERM (it leaves).
+``agent_frozen`` / ``agent_thawed`` {slot, agent_pid}
+    SIGSTOP / SIGCONT sent to the agent (its workers run on).
+``agent_exited`` {slot, agent_pid, code}
+    The harness saw the agent's exit (at most a poll interval after it happened).
+``worker_killed`` {worker_pid, agent_pid}
+    The harness SIGKILLed one worker.
+``orphan_alive`` {worker_pid, agent_pid, after_s}
+    A worker still ran ``after_s`` seconds after its agent died (then the harness kills
+    it); a ``no_orphan_workers`` violation in itself.
+``proxy_mode`` {slot, mode, delay}
+    The agent's etcd proxies switched mode (pass, blackhole, delay, reset).
+``etcd_killed`` {member, role} / ``etcd_started`` {member}
+    An etcd member was SIGKILLed (``role`` leader or follower) / is healthy again.
+``compacted`` {revision} / ``defragmented`` {member}
+``fault_start`` {index, kind, target, other, duration, delay, inner, removes_node,
+disruptive, pids}
+    A planned fault begins; ``pids`` are the agent pids it is aimed at (to tell who
+    "left" for ``rank0_stable``).
+``fault_end`` {index, kind}
+    The fault's own actions are over (members back, proxies passing, agent thawed);
+    recovery may still be under way.
+``settled`` {index, waited_s} / ``settle_timeout`` {index, waited_s, what}
+    The job (did not) reach its steady state (every slot's agent in one round, all
+    ranks stepping) before the next fault.
+``harness_error`` {what}
+    Something the harness itself could not do (a member that did not come back, a
+    proxy thread that died); the run fails.
+``teardown_start`` {}
+    The harness starts stopping everything: nothing after this is judged.
+``run_end`` {planned, executed, aborted}
+    Faults planned and executed; ``aborted`` the reason the plan stopped early, or "".
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = [
+    "AGENT_EXITED",
+    "AGENT_FROZEN",
+    "AGENT_KILLED",
+    "AGENT_STARTED",
+    "AGENT_THAWED",
+    "FAULT_END",
+    "FAULT_START",
+    "HARNESS_ERROR",
+    "ORPHAN_ALIVE",
+    "ROUND",
+    "RUN_END",
+    "RUN_START",
+    "STEP",
+    "TEARDOWN_START",
+    "VIOLATION",
+    "WORKERS_STARTED",
+    "WORKERS_STOPPED",
+    "WORKER_START",
+]
+
+# agent
+ROUND: Final = "round"
+WORKERS_STARTED: Final = "workers_started"
+WORKERS_STOPPED: Final = "workers_stopped"
+# worker
+WORKER_START: Final = "worker_start"
+STEP: Final = "step"
+VIOLATION: Final = "violation"
+# harness
+RUN_START: Final = "run_start"
+AGENT_STARTED: Final = "agent_started"
+AGENT_KILLED: Final = "agent_killed"
+AGENT_FROZEN: Final = "agent_frozen"
+AGENT_THAWED: Final = "agent_thawed"
+AGENT_EXITED: Final = "agent_exited"
+ORPHAN_ALIVE: Final = "orphan_alive"
+FAULT_START: Final = "fault_start"
+FAULT_END: Final = "fault_end"
+HARNESS_ERROR: Final = "harness_error"
+TEARDOWN_START: Final = "teardown_start"
+RUN_END: Final = "run_end"

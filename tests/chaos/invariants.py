@@ -1,0 +1,279 @@
+"""The invariants of rounds, ranks and workers over a chaos history (see checker.py).
+
+Each takes the :class:`~tests.chaos.history_view.History` and the run's
+:class:`~tests.chaos.verdict.CheckConfig` and yields its violations; pure.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+from tests.chaos import events as ev
+from tests.chaos.history_view import History, Indexed
+from tests.chaos.verdict import CheckConfig, Violation, at, str_list
+
+__all__ = [
+    "no_orphan_workers",
+    "no_overlapping_rounds",
+    "no_restart_without_node_loss",
+    "one_membership_per_round",
+    "rank0_stable",
+    "ranks_permutation",
+    "recovery_bound",
+    "rounds_monotonic",
+    "world_bounds",
+]
+
+
+def one_membership_per_round(h: History, cfg: CheckConfig) -> Iterator[Violation]:
+    """All agents' ``round`` events of a round agree; each agent is members[group_rank]."""
+    name = "one_membership_per_round"
+    first: dict[int, Indexed] = {}
+    for item in h.of(ev.ROUND):
+        round_ = item.int_field("round")
+        members = str_list(item.event.get("members"))
+        seen = first.setdefault(round_, item)
+        agreed = str_list(seen.event.get("members"))
+        if members != agreed:
+            yield at(
+                name,
+                item,
+                f"round {round_}: members {members} here, {agreed} at event #{seen.index}",
+            )
+            continue
+        rank, world, node = (
+            item.int_field("group_rank"),
+            item.int_field("group_world"),
+            str(item.event.get("node")),
+        )
+        if world != len(members) or not 0 <= rank < len(members) or members[rank] != node:
+            yield at(
+                name,
+                item,
+                f"round {round_}: node {node} reports group rank {rank} of {world}, but the "
+                f"members are {members}",
+            )
+
+
+def ranks_permutation(h: History, cfg: CheckConfig) -> Iterator[Violation]:
+    """Workers of a round share one world W, ranks 0..W-1 once each (all, if it stepped)."""
+    name = "ranks_permutation"
+    by_round: dict[int, list[Indexed]] = {}
+    for item in h.of(ev.WORKER_START):
+        if item.int_field("round") >= 0:
+            by_round.setdefault(item.int_field("round"), []).append(item)
+    stepped = {s.int_field("round"): s for s in reversed(h.steps)}
+    for round_, starts in sorted(by_round.items()):
+        world = starts[0].int_field("world")
+        ranks: dict[int, Indexed] = {}
+        for item in starts:
+            rank = item.int_field("rank")
+            if item.int_field("world") != world:
+                yield at(
+                    name,
+                    item,
+                    f"round {round_}: world {item.int_field('world')} "
+                    f"here, {world} at event #{starts[0].index}",
+                )
+            elif not 0 <= rank < world:
+                yield at(name, item, f"round {round_}: rank {rank} outside 0..{world - 1}")
+            elif rank in ranks:
+                yield at(
+                    name,
+                    item,
+                    f"round {round_}: rank {rank} started twice (event #{ranks[rank].index} too)",
+                )
+            else:
+                ranks[rank] = item
+        if round_ in stepped and sorted(ranks) != list(range(world)):
+            yield at(
+                name,
+                stepped[round_],
+                f"round {round_} trained with ranks {sorted(ranks)} started, not 0..{world - 1}",
+            )
+
+
+def world_bounds(h: History, cfg: CheckConfig) -> Iterator[Violation]:
+    """Every group, as agents and workers saw it, has min_nodes..max_nodes nodes."""
+    for item in h.of(ev.ROUND, ev.WORKER_START):
+        world = item.int_field("group_world")
+        if item.name == ev.WORKER_START and world < 0:
+            continue
+        if not cfg.min_nodes <= world <= cfg.max_nodes:
+            yield at(
+                "world_bounds",
+                item,
+                f"group of {world} nodes outside --nnodes={cfg.min_nodes}:{cfg.max_nodes}",
+            )
+
+
+def rounds_monotonic(h: History, cfg: CheckConfig) -> Iterator[Violation]:
+    """Per agent: completed rounds and started worker groups never go back."""
+    name = "rounds_monotonic"
+    last: dict[tuple[str, int], int] = {}
+    for item in h.of(ev.ROUND, ev.WORKERS_STARTED, ev.WORKER_START):
+        round_ = item.int_field("round")
+        if round_ < 0:
+            continue
+        is_worker = item.name == ev.WORKER_START
+        agent = item.int_field("agent_pid") if is_worker else item.int_field("pid")
+        key = (item.name, agent)
+        before = last.get(key)
+        # Two workers of one agent start in the same round; an agent completes a round
+        # and starts its group once per round.
+        if before is not None and (round_ < before or (round_ == before and not is_worker)):
+            yield at(
+                name, item, f"agent pid {agent}: {item.name} of round {round_} after round {before}"
+            )
+        last[key] = max(round_, before if before is not None else round_)
+
+
+def _left(h: History, cfg: CheckConfig, pid: int, lo: float, hi: float) -> bool:
+    """Whether the harness killed, froze, stopped or cut off agent ``pid`` in [lo, hi]."""
+    for item in h.of(ev.AGENT_KILLED, ev.AGENT_FROZEN, ev.AGENT_EXITED):
+        if item.int_field("agent_pid") == pid and lo <= item.mono <= hi:
+            return True
+    return any(f.removes_node and pid in f.pids and lo <= f.start_mono <= hi for f in h.faults())
+
+
+def rank0_stable(h: History, cfg: CheckConfig) -> Iterator[Violation]:
+    """Group rank 0 moves between consecutive rounds only if its holder left."""
+    first: dict[int, Indexed] = {}
+    for item in h.of(ev.ROUND):
+        first.setdefault(item.int_field("round"), item)
+    pid_of = {str(r.event.get("node")): r.int_field("pid") for r in h.of(ev.ROUND)}
+    rounds = sorted(r for r in first if r >= 0)
+    for older, newer in itertools.pairwise(rounds):
+        old_members = str_list(first[older].event.get("members"))
+        new_members = str_list(first[newer].event.get("members"))
+        if not old_members or not new_members or old_members[0] == new_members[0]:
+            continue
+        holder = old_members[0]
+        if holder not in new_members:
+            continue
+        # A fault injected up to one TTL before the older round completed takes effect
+        # (the lease expires) only after it.
+        lo = first[older].mono - cfg.lease_ttl
+        if _left(h, cfg, pid_of.get(holder, -1), lo, first[newer].mono):
+            continue
+        yield at(
+            "rank0_stable",
+            first[newer],
+            f"rank 0 moved from {holder} (round {older}) to {new_members[0]} (round {newer}) "
+            f"although {holder} stayed a member and did not leave",
+        )
+
+
+def no_overlapping_rounds(h: History, cfg: CheckConfig) -> Iterator[Violation]:
+    """No collective of a round begins after a newer round's first step completed."""
+    first_step: dict[int, Indexed] = {}
+    for step in h.steps:
+        first_step.setdefault(step.int_field("round"), step)
+    rounds = sorted(r for r in first_step if r >= 0)
+    # For each round, the earliest first step of any newer round.
+    newer_first: dict[int, Indexed] = {}
+    best: Indexed | None = None
+    for round_ in reversed(rounds):
+        if best is not None:
+            newer_first[round_] = best
+        if best is None or first_step[round_].mono < best.mono:
+            best = first_step[round_]
+    reported: set[int] = set()
+    for step in h.steps:
+        round_ = step.int_field("round")
+        newer = newer_first.get(round_)
+        if newer is None or round_ in reported:
+            continue
+        began = float(step.event.get("begin", step.mono))
+        if began > newer.mono:
+            reported.add(round_)
+            yield at(
+                "no_overlapping_rounds",
+                step,
+                f"a collective of round {round_} began {began - newer.mono:.3f} s after round "
+                f"{newer.int_field('round')} completed its first step (event #{newer.index})",
+            )
+
+
+def no_orphan_workers(h: History, cfg: CheckConfig) -> Iterator[Violation]:
+    """No worker steps more than ``orphan_grace_s`` after its agent died."""
+    name = "no_orphan_workers"
+    death: dict[int, Indexed] = {}
+    for item in h.of(ev.AGENT_KILLED, ev.AGENT_EXITED):
+        if item.name == ev.AGENT_KILLED and item.event.get("signal") != "SIGKILL":
+            continue  # a SIGTERMed agent stops its workers first: its exit counts
+        death.setdefault(item.int_field("agent_pid"), item)
+    reported: set[int] = set()
+    for step in h.steps:
+        worker = step.int_field("pid")
+        died = death.get(h.agent_of_worker(worker))
+        if died is None or worker in reported:
+            continue
+        if step.mono > died.mono + cfg.orphan_grace_s:
+            reported.add(worker)
+            yield at(
+                name,
+                step,
+                f"worker pid {worker} stepped {step.mono - died.mono:.2f} s "
+                f"after its agent died (event #{died.index})",
+            )
+    for item in h.of(ev.ORPHAN_ALIVE):
+        yield at(
+            name,
+            item,
+            f"worker pid {item.int_field('worker_pid')} still ran "
+            f"{item.event.get('after_s')} s after its agent died",
+        )
+
+
+def recovery_bound(h: History, cfg: CheckConfig) -> Iterator[Violation]:
+    """A disruptive fault is followed by training in a newer round, in time."""
+    faults = h.faults()
+    bound = cfg.lease_ttl + cfg.recovery_slack_s
+    for i, span in enumerate(faults):
+        if not span.disruptive:
+            continue
+        took = h.recovery(span)
+        if span.removes_node:
+            if took is None or took > bound:
+                seen = "never" if took is None else f"after {took:.2f} s"
+                yield at(
+                    "recovery_bound",
+                    span.start,
+                    f"{span.kind}: a newer round trained "
+                    f"{seen}; bound TTL {cfg.lease_ttl:g} + "
+                    f"{cfg.recovery_slack_s:g} = {bound:g} s",
+                )
+            continue
+        limit = faults[i + 1].start_mono if i + 1 < len(faults) else h.end_mono
+        if took is None or span.start_mono + took > limit:
+            yield at(
+                "recovery_bound",
+                span.start,
+                f"{span.kind}: no newer round trained "
+                "before the next fault (or the end of the run)",
+            )
+
+
+def no_restart_without_node_loss(h: History, cfg: CheckConfig) -> Iterator[Violation]:
+    """A fault that removes no node costs no restart until the next fault."""
+    faults = h.faults()
+    restarts = h.judged(h.of(ev.WORKERS_STOPPED, ev.ROUND, ev.WORKER_START))
+    for i, span in enumerate(faults):
+        if span.disruptive:
+            continue
+        hi = faults[i + 1].start_mono if i + 1 < len(faults) else h.teardown_mono
+        before = h.last_round_before(span.start_mono)
+        for item in restarts:
+            if not span.start_mono <= item.mono < hi:
+                continue
+            if item.name == ev.ROUND and 0 <= item.int_field("round") <= before:
+                continue  # a late report of a round that already trained: nothing new
+            yield at(
+                "no_restart_without_node_loss",
+                item,
+                f"{item.name} {item.mono - span.start_mono:.2f} s after {span.kind} "
+                f"(fault #{span.start.int_field('index')}), which removes no node",
+            )
+            break
