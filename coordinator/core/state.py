@@ -6,6 +6,13 @@ form is the protobuf schema in ``proto/rendezvous.proto`` written with protobuf'
 mapping, so ``etcdctl get`` shows it readably. Decoding never executes anything: a value
 that is not valid JSON of our schema, or has a newer ``schema_version``, raises
 :class:`~coordinator.core.errors.CorruptValueError` naming the key.
+
+Decoding also refuses values that parse but that no agent could carry on from: a round
+whose next round would not fit the schema's int64 (``round > MAX_ROUND``; otherwise the
+protobuf encoder fails with a bare ``ValueError: Value out of range`` on every agent at
+once when the next round is written), a negative ``wanted_round``, and a port outside
+0..65535 (it would reach the workers as ``MASTER_PORT``). Whatever decodes re-encodes, and
+so do the node records and the state of the round after it.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from coordinator.core.errors import CorruptValueError
 from coordinator.generated import rendezvous_pb2 as pb
 
 __all__ = [
+    "MAX_ROUND",
     "SCHEMA_VERSION",
     "CloseMode",
     "NodeInfo",
@@ -33,6 +41,11 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
+
+MAX_ROUND = 2**63 - 2
+"""The highest round a state may hold: nodes ask for ``round + 1`` and a completion writes
+it, so ``round + 1`` must still fit the schema's int64. Above it, decoding refuses."""
+_MAX_PORT = 65535
 
 CloseMode = Literal["unspecified", "finished", "failed", "drain"]
 """Why a run was closed: ``finished`` (every agent done), ``failed`` (an agent gave up: the
@@ -144,6 +157,11 @@ def _parse(key: str, raw: bytes, message: Message) -> None:
         )
 
 
+def _check_port(key: str, field_name: str, port: int) -> None:
+    if not 0 <= port <= _MAX_PORT:
+        raise CorruptValueError(key, f"{field_name} {port} is not a TCP port (1..{_MAX_PORT})")
+
+
 def encode_state(state: RdzvState) -> bytes:
     msg = pb.RendezvousState(
         schema_version=SCHEMA_VERSION,
@@ -187,6 +205,11 @@ def _decode_state_cached(key: str, raw: bytes) -> RdzvState:
         raise CorruptValueError(key, f"node {twice[0]!r} appears twice among the participants")
     if msg.round < 0:
         raise CorruptValueError(key, f"negative round {msg.round}")
+    if msg.round > MAX_ROUND:
+        raise CorruptValueError(
+            key, f"round {msg.round} is out of range: the next round would not fit int64"
+        )
+    _check_port(key, "master_port", msg.master_port)
     return RdzvState(
         round=msg.round,
         closed=msg.closed,
@@ -225,6 +248,9 @@ def decode_node(key: str, raw: bytes, create_revision: int = 0) -> NodeInfo:
     """Decode a node key's value; raises CorruptValueError naming ``key``."""
     msg = pb.NodeRecord()
     _parse(key, raw, msg)
+    if msg.wanted_round < 0:
+        raise CorruptValueError(key, f"negative wanted_round {msg.wanted_round}")
+    _check_port(key, "free_port", msg.free_port)
     return NodeInfo(
         node_id=msg.node_id,
         wanted_round=msg.wanted_round,

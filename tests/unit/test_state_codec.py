@@ -7,9 +7,12 @@ import pickle
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coordinator.core.errors import CorruptValueError
 from coordinator.core.state import (
+    MAX_ROUND,
     SCHEMA_VERSION,
     NodeInfo,
     RdzvState,
@@ -18,6 +21,7 @@ from coordinator.core.state import (
     encode_node,
     encode_state,
 )
+from coordinator.core.transitions import Action, ActionKind, apply
 
 KEY = "/etcd-elastic/job42/state"
 NODE_KEY = "/etcd-elastic/job42/nodes/host-a-100-0"
@@ -190,6 +194,12 @@ STATE_REFUSALS: list[tuple[str, bytes, str]] = [
      "participants": [{"node_id": "a"}, {"node_id": "b"}]}),
      "participant ranks [0, 0] are not 0..1"),
     ("negative round", _json({"schema_version": 1, "round": "-1"}), "negative round -1"),
+    ("round at the int64 limit", _json({"schema_version": 1, "round": str(2**63 - 1)}),
+     "round 9223372036854775807 is out of range: the next round would not fit int64"),
+    ("master_port above 65535", _json({"schema_version": 1, "master_port": 70000}),
+     "master_port 70000 is not a TCP port (1..65535)"),
+    ("negative master_port", _json({"schema_version": 1, "master_port": -1}),
+     "master_port -1 is not a TCP port (1..65535)"),
 ]  # fmt: skip
 
 
@@ -251,6 +261,10 @@ NODE_REFUSALS: list[tuple[str, bytes, str]] = [
     ("newer schema_version", _json({"schema_version": 9, "node_id": "a"}),
      "schema_version 9 is newer than this etcd-elastic understands (1); "
      "upgrade every agent of the run"),
+    ("negative wanted_round", _json({"schema_version": 1, "wanted_round": "-2"}),
+     "negative wanted_round -2"),
+    ("free_port above 65535", _json({"schema_version": 1, "free_port": 65536}),
+     "free_port 65536 is not a TCP port (1..65535)"),
 ]  # fmt: skip
 
 
@@ -299,3 +313,81 @@ def test_state_of_10000_nodes_fits_one_etcd_request(waiting: int, spares: int, l
     # Keep room for the key, the compare and the transaction framing.
     assert len(raw) < ETCD_MAX_REQUEST - 4096
     assert decode_state(KEY, raw) == state
+
+
+# --- out-of-range values: refused at decode, never a crash of the encoder later -----------
+
+_INT64 = st.integers(-(2**63), 2**63 - 1)
+_INT32 = st.integers(-(2**31), 2**31 - 1)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(
+    round_=_INT64,
+    master_port=_INT32,
+    completed=_INT64,
+    closed_at=_INT64,
+    wanted=_INT64,
+    free_port=_INT32,
+    lease_id=_INT64,
+)
+def test_whatever_decodes_re_encodes_and_so_does_the_next_round(
+    round_: int,
+    master_port: int,
+    completed: int,
+    closed_at: int,
+    wanted: int,
+    free_port: int,
+    lease_id: int,
+) -> None:
+    """Any value of the schema's integer types: refused at decode with a one-line error, or
+    decoded into something this project can write back, one round on included (what a
+    coordinator and a joining node write next)."""
+    raw_state = _json(
+        {
+            "schema_version": 1,
+            "round": str(round_),
+            "master_port": master_port,
+            "completed_at_unix_ms": str(completed),
+            "closed_at_unix_ms": str(closed_at),
+            "participants": [{"node_id": "a"}],
+        }
+    )
+    try:
+        state = decode_state(KEY, raw_state)
+    except CorruptValueError as exc:
+        assert "\n" not in str(exc) and KEY in str(exc)
+        assert round_ > MAX_ROUND or round_ < 0 or not 0 <= master_port <= 65535
+    else:
+        assert decode_state(KEY, encode_state(state)) == state
+        complete = Action(ActionKind.MARK_RENDEZVOUS_COMPLETE, node_ids=("a",), master_port=1)
+        encode_state(apply(state, [complete]))  # the next round fits int64
+        encode_node(NodeInfo("a", wanted_round=state.round + 1))  # and so does asking for it
+    raw_node = _json(
+        {
+            "schema_version": 1,
+            "node_id": "a",
+            "wanted_round": str(wanted),
+            "free_port": free_port,
+            "lease_id": str(lease_id),
+        }
+    )
+    try:
+        node = decode_node(NODE_KEY, raw_node)
+    except CorruptValueError as exc:
+        assert "\n" not in str(exc) and NODE_KEY in str(exc)
+        assert wanted < 0 or not 0 <= free_port <= 65535
+    else:
+        assert decode_node(NODE_KEY, encode_node(node)) == node
+
+
+def test_the_highest_round_still_completes_and_the_one_after_is_refused() -> None:
+    top = decode_state(KEY, _json({"schema_version": 1, "round": str(MAX_ROUND)}))
+    complete = Action(ActionKind.MARK_RENDEZVOUS_COMPLETE, node_ids=("a",))
+    raw = encode_state(apply(top, [complete]))  # no "ValueError: Value out of range"
+    with pytest.raises(CorruptValueError) as info:
+        decode_state(KEY, raw)
+    assert str(info.value) == (
+        f"corrupt value at etcd key {KEY!r}: round 9223372036854775807 is out of range: "
+        "the next round would not fit int64"
+    )
