@@ -4,6 +4,10 @@ Every bad value ends the program before anything connects, with exit code 2 and 
 line ``rdzvctl: error: <flag>: <what is wrong and what to do>``. The checks reuse the
 rendezvous' own validators (run id, key prefix, endpoints), so ``rdzvctl`` accepts
 exactly what ``etcdrun`` accepts.
+
+Start-up: ``rdzvctl --help`` must not pay for grpc and the etcd client (about 150 ms of
+imports), so this module imports neither; the checks that need the client's config type
+import it once the command line has parsed (see :func:`_etcd_config`).
 """
 
 from __future__ import annotations
@@ -14,13 +18,13 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, NoReturn
+from typing import TYPE_CHECKING, Literal, NoReturn
 
 from coordinator.core.errors import ConfigError
-from coordinator.core.etcd_client import EtcdConfig
 from coordinator.core.keys import DEFAULT_KEY_PREFIX, validate_key_prefix, validate_run_id
-from coordinator.core.settings import parse_endpoints
-from coordinator.rdzvctl.format import parse_duration
+
+if TYPE_CHECKING:
+    from coordinator.core.etcd_client import EtcdConfig
 
 __all__ = [
     "COMMANDS",
@@ -36,6 +40,7 @@ __all__ = [
     "UsageError",
     "build_parser",
     "parse_args",
+    "parse_duration",
 ]
 
 PROG = "rdzvctl"
@@ -77,6 +82,31 @@ exit codes:
   1  run not found, a value under the run does not decode, or the operation failed
   2  bad command line (one line: rdzvctl: error: ...)
   3  etcd unreachable, TLS or credentials refused (the message names the endpoints)"""
+
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([smhd]?)")
+_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``text``: ``90``, ``30s``, ``10m``, ``2h``, ``7d`` or sums like ``1h30m``.
+
+    Raises:
+        ValueError: not a duration; the message names the text and shows the forms.
+    """
+    rest = text.strip().lower()
+    total = 0.0
+    pos = 0
+    while pos < len(rest):
+        match = _DURATION_PART.match(rest, pos)
+        if match is None:
+            total = -1.0
+            break
+        total += float(match[1]) * _UNIT_SECONDS[match[2]]
+        pos = match.end()
+    if not rest or total < 0:
+        raise ValueError(f"{text!r} is not a duration; give e.g. 90s, 10m, 2h, 7d or 1h30m")
+    return total
 
 
 class UsageError(ValueError):
@@ -254,6 +284,11 @@ def _protocol(given: str | None, endpoints_text: str) -> Literal["http", "https"
 
 
 def _etcd_config(ns: Mapping[str, object], environ: Mapping[str, str]) -> EtcdConfig:
+    # Here, not at the top: both modules load grpc (core.settings through the etcd
+    # client package), which only a command that connects needs.
+    from coordinator.core.etcd_client import EtcdConfig
+    from coordinator.core.settings import parse_endpoints
+
     def text(name: str) -> str | None:
         value = ns.get(name)
         return value if isinstance(value, str) and value else None

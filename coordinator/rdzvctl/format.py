@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import datetime
 import json
-import re
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coordinator.rdzvctl.model import NodeView, RunSnapshot, joining, phase
-from coordinator.rdzvctl.ops import GcResult, GcVerdict
-from coordinator.rdzvctl.watch import Change
+
+if TYPE_CHECKING:
+    # Types only: status and list need neither gc's writer nor the watch loop.
+    from coordinator.rdzvctl.ops import GcResult, GcVerdict
+    from coordinator.rdzvctl.watch import Change
 
 __all__ = [
     "change_json",
@@ -24,35 +26,10 @@ __all__ = [
     "list_json",
     "list_lines",
     "node_status",
-    "parse_duration",
     "status_json",
     "status_lines",
     "table",
 ]
-
-_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([smhd]?)")
-_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in ``text``: ``90``, ``30s``, ``10m``, ``2h``, ``7d`` or sums like ``1h30m``.
-
-    Raises:
-        ValueError: not a duration; the message names the text and shows the forms.
-    """
-    rest = text.strip().lower()
-    total = 0.0
-    pos = 0
-    while pos < len(rest):
-        match = _DURATION_PART.match(rest, pos)
-        if match is None:
-            total = -1.0
-            break
-        total += float(match[1]) * _UNIT_SECONDS[match[2]]
-        pos = match.end()
-    if not rest or total < 0:
-        raise ValueError(f"{text!r} is not a duration; give e.g. 90s, 10m, 2h, 7d or 1h30m")
-    return total
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
@@ -96,7 +73,10 @@ def _list(ids: Sequence[str]) -> str:
 
 
 def node_status(snapshot: RunSnapshot, node_id: str) -> str:
-    """What a live node is in the run: ``rank N``, waiting, redundant, joining, or idle."""
+    """What a live node is in the run: ``rank N``, waiting, redundant, joining, or idle;
+    ``unknown`` while the state does not decode (ranks and lists are in it)."""
+    if phase(snapshot) == "unreadable":
+        return "unknown"
     state = snapshot.effective_state
     rank = state.rank_of(node_id)
     node = snapshot.node(node_id)
@@ -113,8 +93,6 @@ def node_status(snapshot: RunSnapshot, node_id: str) -> str:
 def _state_line(snapshot: RunSnapshot, now_ms: int, tz: datetime.tzinfo | None) -> str:
     state = snapshot.effective_state
     current = phase(snapshot)
-    if current == "unreadable":
-        return "unreadable (see the error below)"
     if current == "empty":
         return "empty: no state and no node key"
     parts = [current]
@@ -132,21 +110,18 @@ def _state_line(snapshot: RunSnapshot, now_ms: int, tz: datetime.tzinfo | None) 
     return ", ".join(parts)
 
 
-def status_lines(
-    snapshot: RunSnapshot, now_ms: int, tz: datetime.tzinfo | None = None
-) -> list[str]:
-    """``rdzvctl status``: the run as a block of labelled lines and two tables."""
+def _state_block(snapshot: RunSnapshot, now_ms: int, tz: datetime.tzinfo | None) -> list[str]:
+    """The lines that come from the state key: phase, closed, master, ranks, lists."""
+    if phase(snapshot) == "unreadable":
+        # Nothing of the state is known; an empty state's defaults (round 0, open, no
+        # participants) would be made up, so none are shown.
+        return ["state:           unreadable: its value does not decode, so round, ranks, "
+                "lists and closed are unknown"]  # fmt: skip
     state = snapshot.effective_state
-    keys = snapshot.keys
     closed = "no"
     if state.closed:
         closed = f"yes: {state.closed_reason}" if state.closed_reason else "yes"
-    lines = [
-        f"run:             {keys.run_id} (key prefix {keys.key_prefix}, "
-        f"etcd revision {snapshot.revision})",
-        f"state:           {_state_line(snapshot, now_ms, tz)}",
-        f"closed:          {closed}",
-    ]
+    lines = [f"state:           {_state_line(snapshot, now_ms, tz)}", f"closed:          {closed}"]
     if state.master_addr:
         lines.append(f"master:          {state.master_addr}:{state.master_port}")
     lines.append(f"participants:    {len(state.participants)} in round {state.round}")
@@ -168,6 +143,24 @@ def status_lines(
         f"wait list:       {_list(state.wait_list)}",
         f"redundancy list: {_list(state.redundancy_list)}",
         f"lost:            {_list(state.lost)}",
+    ]
+    return lines
+
+
+def status_lines(
+    snapshot: RunSnapshot, now_ms: int, tz: datetime.tzinfo | None = None
+) -> list[str]:
+    """``rdzvctl status``: the run as a block of labelled lines and two tables.
+
+    Only what etcd holds is shown: a state key that does not decode gives one line that
+    says so (no defaults in its place), and every key that does not decode is listed by
+    name at the end (the error, printed before these lines, says why).
+    """
+    keys = snapshot.keys
+    lines = [
+        f"run:             {keys.run_id} (key prefix {keys.key_prefix}, "
+        f"etcd revision {snapshot.revision})",
+        *_state_block(snapshot, now_ms, tz),
         f"nodes alive:     {len(snapshot.nodes)}",
     ]
     node_rows = [
@@ -181,6 +174,8 @@ def status_lines(
     lines.append(f"store:           {snapshot.store_keys} key(s)")
     if snapshot.foreign_keys:
         lines.append(f"foreign keys:    {_list(snapshot.foreign_keys)}")
+    if snapshot.unreadable_keys:
+        lines.append(f"unreadable keys: {_list(snapshot.unreadable_keys)}")
     return lines
 
 
@@ -205,7 +200,11 @@ def _node_json(snapshot: RunSnapshot, node: NodeView) -> dict[str, Any]:
 
 
 def status_json(snapshot: RunSnapshot) -> dict[str, Any]:
-    """``rdzvctl status --json``: every fact of :func:`status_lines`, machine-readable."""
+    """``rdzvctl status --json``: every fact of :func:`status_lines`, machine-readable.
+
+    While the state does not decode (``phase`` ``unreadable``), every field that comes
+    from it is null: unknown, not the defaults of an empty state.
+    """
     state = snapshot.effective_state
     participants = []
     for rank, node_id in enumerate(state.participants):
@@ -215,11 +214,7 @@ def status_json(snapshot: RunSnapshot) -> dict[str, Any]:
             entry.update(_node_json(snapshot, node))
             del entry["status"]
         participants.append(entry)
-    return {
-        "run_id": snapshot.run_id,
-        "key_prefix": snapshot.keys.key_prefix,
-        "revision": snapshot.revision,
-        "phase": phase(snapshot),
+    from_state: dict[str, Any] = {
         "round": state.round,
         "closed": state.closed,
         "closed_reason": state.closed_reason,
@@ -227,16 +222,27 @@ def status_json(snapshot: RunSnapshot) -> dict[str, Any]:
         "written_by": state.written_by,
         "master_addr": state.master_addr,
         "master_port": state.master_port,
-        "state_mod_revision": snapshot.state_mod_revision,
         "participants": participants,
         "wait_list": list(state.wait_list),
         "redundancy_list": list(state.redundancy_list),
         "lost": list(state.lost),
         "joining": list(joining(snapshot)),
+    }
+    current = phase(snapshot)
+    if current == "unreadable":
+        from_state = dict.fromkeys(from_state)
+    return {
+        "run_id": snapshot.run_id,
+        "key_prefix": snapshot.keys.key_prefix,
+        "revision": snapshot.revision,
+        "phase": current,
+        **from_state,
+        "state_mod_revision": snapshot.state_mod_revision,
         "nodes": [_node_json(snapshot, n) for n in snapshot.nodes],
         "store_keys": snapshot.store_keys,
         "foreign_keys": list(snapshot.foreign_keys),
         "errors": list(snapshot.errors),
+        "unreadable_keys": list(snapshot.unreadable_keys),
     }
 
 

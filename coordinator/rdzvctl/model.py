@@ -10,11 +10,15 @@ before it exits 1.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from coordinator.core.errors import ConfigError, CorruptValueError
-from coordinator.core.etcd_client import EtcdClient, KeyValue
 from coordinator.core.keys import RunKeys, validate_run_id
 from coordinator.core.state import NodeInfo, RdzvState, decode_node, decode_state
+
+if TYPE_CHECKING:
+    # Types only: the pure parts (phase, split_run_keys, ...) need no grpc.
+    from coordinator.core.etcd_client import EtcdClient, KeyValue
 
 __all__ = [
     "PHASES",
@@ -71,6 +75,7 @@ class RunSnapshot:
         store_keys: how many keys the run's torch Store holds (all rounds).
         foreign_keys: keys under the run that are not state, nodes/ or store/.
         errors: one message per value that did not decode, each naming its key.
+        unreadable_keys: the keys of those values, as text.
     """
 
     keys: RunKeys
@@ -82,6 +87,7 @@ class RunSnapshot:
     store_keys: int = 0
     foreign_keys: tuple[str, ...] = ()
     errors: tuple[str, ...] = ()
+    unreadable_keys: tuple[str, ...] = ()
 
     @property
     def run_id(self) -> str:
@@ -147,10 +153,10 @@ def phase(snapshot: RunSnapshot) -> str:
 
 def decode_nodes(
     keys: RunKeys, kvs: list[KeyValue]
-) -> tuple[tuple[NodeView, ...], tuple[str, ...]]:
+) -> tuple[tuple[NodeView, ...], tuple[CorruptValueError, ...]]:
     """Decode node keys; returns the readable ones and one error per unreadable one."""
     nodes: list[NodeView] = []
-    errors: list[str] = []
+    errors: list[CorruptValueError] = []
     for kv in kvs:
         shown = kv.key.decode("utf-8", "backslashreplace")
         try:
@@ -161,7 +167,7 @@ def decode_nodes(
                     shown, f"node_id {info.node_id!r} in the value differs from the key"
                 )
         except CorruptValueError as exc:
-            errors.append(str(exc))
+            errors.append(exc)
             continue
         nodes.append(NodeView(info, kv.lease, kv.create_revision, kv.mod_revision))
     nodes.sort(key=lambda n: n.create_revision)
@@ -181,13 +187,13 @@ def read_run(client: EtcdClient, keys: RunKeys, *, lease_ttls: bool = False) -> 
     node_kvs, nodes_revision = client.get_prefix(keys.nodes_prefix)
     store_keys, _ = client.count_prefix(keys.store_root)
     total, _ = client.count_prefix(keys.run_prefix)
-    errors: list[str] = []
+    errors: list[CorruptValueError] = []
     state: RdzvState | None = None
     if state_kv is not None:
         try:
             state = decode_state(keys.state.decode(), state_kv.value)
         except CorruptValueError as exc:
-            errors.append(str(exc))
+            errors.append(exc)
     nodes, node_errors = decode_nodes(keys, node_kvs)
     errors.extend(node_errors)
     if lease_ttls:
@@ -210,7 +216,8 @@ def read_run(client: EtcdClient, keys: RunKeys, *, lease_ttls: bool = False) -> 
         nodes_revision=nodes_revision,
         store_keys=store_keys,
         foreign_keys=foreign,
-        errors=tuple(errors),
+        errors=tuple(str(e) for e in errors),
+        unreadable_keys=tuple(e.key for e in errors),
     )
 
 

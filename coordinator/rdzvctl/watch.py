@@ -3,8 +3,9 @@
 :class:`Tracker` is pure: it holds what is known of a run (state and node records) and
 turns each etcd event into :class:`Change` values (``node vm-1-0 joined (asks for round
 3)``, ``round 3 complete: 3 nodes [a b c]``, ``node x lost``, ``run closed (reason)``).
-:func:`follow` is the I/O: it reads the run, watches its prefix from the revision read
-(so no change is missed), and hands every change to a callback until asked to stop. The
+:func:`follow` is the I/O: it watches the run's prefix from now, then reads the run (so
+no change is missed, and none waits for etcd's catch-up of a watch that starts in the
+past), and hands every change to a callback until asked to stop. The
 run's torch Store keys are ignored: they change on every rank exchange and mean nothing
 to an operator.
 """
@@ -15,12 +16,15 @@ import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from coordinator.core.errors import CorruptValueError
-from coordinator.core.etcd_client import EtcdClient, WatchEvent
 from coordinator.core.keys import RunKeys
 from coordinator.core.state import NodeInfo, RdzvState, decode_state
 from coordinator.rdzvctl.model import RunSnapshot, decode_nodes, read_run
+
+if TYPE_CHECKING:
+    from coordinator.core.etcd_client import EtcdClient, Watch, WatchEvent
 
 __all__ = ["Change", "Inbox", "Tracker", "diff_states", "follow"]
 
@@ -115,11 +119,6 @@ class Tracker:
         self._nodes: dict[str, NodeInfo] = {n.node_id: n.info for n in snapshot.nodes}
 
     @property
-    def start_revision(self) -> int:
-        """Where a watch must start so that nothing after either read is missed."""
-        return min(self._state_guard, self._nodes_guard) + 1
-
-    @property
     def state(self) -> RdzvState:
         return self._state
 
@@ -172,7 +171,7 @@ class Tracker:
             return [Change(revision, "node_left", text, node_id=node_id)]
         decoded, errors = decode_nodes(self._keys, [event.kv])
         if errors:
-            return [Change(revision, "corrupt", errors[0])]
+            return [Change(revision, "corrupt", str(errors[0]))]
         info = decoded[0].info
         old = self._nodes.get(info.node_id)
         self._nodes[info.node_id] = info
@@ -238,6 +237,22 @@ class Inbox:
         return self._queue.get(timeout=timeout)
 
 
+def _watch_then_read(client: EtcdClient, keys: RunKeys, inbox: Inbox) -> tuple[Watch, RunSnapshot]:
+    # Watch from now, wait for etcd to confirm, then read: the read covers every revision
+    # the watch does not, and the first change arrives at once. (Read, then watch from the
+    # read's revision + 1 misses nothing either, but etcd files such a watch as unsynced
+    # and delivers its first events on a catch-up pass up to 100 ms later.) Events the
+    # read already holds may still be queued; the Tracker drops them by revision.
+    return client.watch_then_read(
+        keys.run_prefix,
+        lambda: read_run(client, keys),
+        lambda events, _rev: inbox.put(events),
+        inbox.put,
+        prefix=True,
+        on_error=inbox.put,
+    )
+
+
 def follow(
     client: EtcdClient,
     keys: RunKeys,
@@ -252,57 +267,49 @@ def follow(
     """Print the run's changes through ``emit`` until ``count`` changes, ``timeout`` s, or
     ``inbox.stop()``.
 
-    Blocks on the watch's events (no polling).
+    Blocks on the watch's events (no polling). If etcd compacted the history a broken
+    watch stream had to resume from, the run is watched and read afresh, and what changed
+    in between is summarised (:meth:`Tracker.resync`).
 
     Returns:
         How many changes were emitted.
 
     Raises:
-        EtcdConnectionError: etcd did not answer the first read, or cancelled the watch
-            (e.g. no permission).
+        EtcdConnectionError: etcd did not answer the first read, or did not confirm or
+            cancelled the watch (e.g. no permission).
     """
     # The watch thread only queues what it gets (its callbacks must not block); this
     # thread does the reading and printing.
     inbox = inbox or Inbox()
     deadline = None if timeout is None else clock() + timeout
-    snapshot = read_run(client, keys)
-    if on_start is not None:
-        on_start(snapshot)
-    tracker = Tracker(snapshot)
+    watch, snapshot = _watch_then_read(client, keys, inbox)
     emitted = 0
-    while True:
-        watch = client.watch(
-            keys.run_prefix,
-            tracker.start_revision,
-            lambda events, _rev: inbox.put(events),
-            inbox.put,
-            prefix=True,
-            on_error=inbox.put,
-        )
-        try:
-            while True:
-                left = None if deadline is None else deadline - clock()
-                if left is not None and left <= 0:
+    try:
+        if on_start is not None:
+            on_start(snapshot)
+        tracker = Tracker(snapshot)
+        while True:
+            left = None if deadline is None else deadline - clock()
+            if left is not None and left <= 0:
+                return emitted
+            try:
+                item = inbox.get(timeout=left)
+            except queue.Empty:
+                return emitted
+            if isinstance(item, _Stop):
+                return emitted
+            if isinstance(item, Exception):
+                raise item
+            if isinstance(item, int):
+                watch.cancel()
+                watch, fresh = _watch_then_read(client, keys, inbox)
+                changes = tracker.resync(fresh)
+            else:
+                changes = tracker.apply(item)
+            for change in changes:
+                emit(change)
+                emitted += 1
+                if count is not None and emitted >= count:
                     return emitted
-                try:
-                    item = inbox.get(timeout=left)
-                except queue.Empty:
-                    return emitted
-                if isinstance(item, _Stop):
-                    return emitted
-                if isinstance(item, Exception):
-                    raise item
-                compacted = isinstance(item, int)
-                if isinstance(item, int):
-                    changes = tracker.resync(read_run(client, keys))
-                else:
-                    changes = tracker.apply(item)
-                for change in changes:
-                    emit(change)
-                    emitted += 1
-                    if count is not None and emitted >= count:
-                        return emitted
-                if compacted:
-                    break  # watch again from the fresh read
-        finally:
-            watch.cancel()
+    finally:
+        watch.cancel()

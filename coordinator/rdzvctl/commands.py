@@ -1,0 +1,242 @@
+"""The ``rdzvctl`` commands: connect, run one, map its errors to an exit code.
+
+Loaded only once the command line has been checked (:func:`coordinator.rdzvctl.main.run_command`):
+this is where grpc and the etcd client come in. Within it, each command imports what
+only it needs (gc's writer, the watch loop), so ``status`` and ``list`` load neither.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TextIO
+
+from coordinator.core.errors import EtcdConnectionError, EtcdElasticError
+from coordinator.core.etcd_client import EtcdClient
+from coordinator.core.keys import RunKeys
+from coordinator.rdzvctl.cli import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, PROG, Options
+from coordinator.rdzvctl.format import (
+    change_json,
+    change_line,
+    gc_json,
+    gc_lines,
+    list_json,
+    list_lines,
+    status_json,
+    status_lines,
+)
+from coordinator.rdzvctl.model import RunSnapshot, list_runs, phase, read_run
+
+if TYPE_CHECKING:
+    from coordinator.rdzvctl.ops import GcResult
+    from coordinator.rdzvctl.watch import Change
+
+__all__ = ["run"]
+
+# How long close keeps retrying while the coordinator keeps committing.
+_CLOSE_TIMEOUT_S = 30.0
+
+
+class _Failed(Exception):
+    """The command failed for a reason the message explains (exit code 1)."""
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _operator() -> str:
+    return f"rdzvctl@{socket.gethostname()}"
+
+
+class _Out:
+    """Where a command prints: stdout for results, stderr for warnings and errors."""
+
+    def __init__(self, out: TextIO, err: TextIO, as_json: bool) -> None:
+        self.out, self.err, self.json = out, err, as_json
+
+    def lines(self, lines: Sequence[str]) -> None:
+        for line in lines:
+            self.out.write(line + "\n")
+        self.out.flush()
+
+    def data(self, value: Any) -> None:
+        self.out.write(json.dumps(value, indent=2, sort_keys=True) + "\n")
+        self.out.flush()
+
+    def warn(self, text: str) -> None:
+        self.err.write(f"{PROG}: warning: {_one_line(text)}\n")
+        self.err.flush()
+
+    def error(self, text: str) -> None:
+        self.err.write(f"{PROG}: error: {_one_line(text)}\n")
+        self.err.flush()
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _require_run(client: EtcdClient, keys: RunKeys) -> None:
+    count, _ = client.count_prefix(keys.run_prefix)
+    if count == 0:
+        raise _Failed(
+            f"run {keys.run_id!r} not found: no key starts with "
+            f"{keys.run_prefix.decode()}; see '{PROG} list' for the runs there are"
+        )
+
+
+def _run_keys(opts: Options) -> RunKeys:
+    if opts.run is None:  # the parser requires RUN for these commands
+        raise _Failed(f"{opts.command}: give the run id")
+    return RunKeys(opts.key_prefix, opts.run)
+
+
+def _status(client: EtcdClient, opts: Options, out: _Out) -> int:
+    keys = _run_keys(opts)
+    snapshot = read_run(client, keys, lease_ttls=True)
+    if not snapshot.exists:
+        _require_run(client, keys)  # raises: nothing under the run
+    if snapshot.errors:
+        # The error first: it is what the operator must act on, and what the lines
+        # below leave out (a state that does not decode shows no state at all).
+        out.error("; ".join(snapshot.errors))
+    if opts.json:
+        out.data(status_json(snapshot))
+    else:
+        out.lines(status_lines(snapshot, _now_ms()))
+    return EXIT_FAILED if snapshot.errors else EXIT_OK
+
+
+def _list(client: EtcdClient, opts: Options, out: _Out) -> int:
+    found = list_runs(client, opts.key_prefix)
+    snapshots = [read_run(client, RunKeys(opts.key_prefix, r)) for r in found.run_ids]
+    for snapshot in snapshots:
+        for error in snapshot.errors:
+            out.warn(error)
+    for key in found.foreign_keys:
+        out.warn(f"key {key!r} is not part of any run (not written by etcd-elastic)")
+    if opts.json:
+        out.data(list_json(snapshots, opts.key_prefix, found.foreign_keys))
+    else:
+        out.lines(list_lines(snapshots, opts.key_prefix))
+    return EXIT_OK
+
+
+def _close(client: EtcdClient, opts: Options, out: _Out) -> int:
+    from coordinator.core.executor import StateExecutor
+
+    keys = _run_keys(opts)
+    _require_run(client, keys)
+    reason = opts.reason or f"closed by an operator with rdzvctl on {socket.gethostname()}"
+    outcome = StateExecutor(client, keys, written_by=_operator()).close(
+        reason,
+        mode="drain",  # agents finish their current attempt, then exit 0
+        timeout=_CLOSE_TIMEOUT_S,
+    )
+    stored = outcome.state.closed_reason
+    if opts.json:
+        out.data(
+            {"run_id": keys.run_id, "closed": True, "changed": outcome.changed,
+             "closed_reason": stored, "state_mod_revision": outcome.mod_revision}
+        )  # fmt: skip
+    elif outcome.changed:
+        out.lines(
+            [f"run {keys.run_id} closed ({stored}): its agents finish their current "
+             "attempt and exit 0; nobody may join again"]
+        )  # fmt: skip
+    else:
+        out.lines([f"run {keys.run_id} was closed already ({stored or 'no reason given'})"])
+    return EXIT_OK
+
+
+def _gc(client: EtcdClient, opts: Options, out: _Out) -> int:
+    from coordinator.rdzvctl.ops import collect_run, gc_verdict
+
+    found = list_runs(client, opts.key_prefix)
+    snapshots: dict[str, RunSnapshot] = {
+        r: read_run(client, RunKeys(opts.key_prefix, r)) for r in found.run_ids
+    }
+    now_ms = _now_ms()
+    older_ms = int(opts.older_than * 1000)
+    verdicts = [gc_verdict(s, now_ms, older_ms) for s in snapshots.values()]
+    results: list[GcResult] | None = None
+    if not opts.dry_run:
+        results = [
+            collect_run(client, snapshots[v.run_id], written_by=_operator())
+            for v in verdicts
+            if v.collect
+        ]
+    if opts.json:
+        out.data(gc_json(verdicts, results, opts.older_than))
+    else:
+        out.lines(gc_lines(verdicts, results))
+    return EXIT_OK
+
+
+def _watch(client: EtcdClient, opts: Options, out: _Out) -> int:
+    from coordinator.rdzvctl.watch import Inbox, follow
+
+    keys = _run_keys(opts)
+
+    def on_start(snapshot: RunSnapshot) -> None:
+        state = snapshot.effective_state
+        out.err.write(
+            f"{PROG}: watching run {keys.run_id} from etcd revision {snapshot.revision}: "
+            f"{phase(snapshot)}, round {state.round}, {len(snapshot.nodes)} node(s) alive"
+            f"{'' if snapshot.exists else ' (no key yet)'}; Ctrl-C to stop\n"
+        )
+        out.err.flush()
+
+    def emit(change: Change) -> None:
+        when = datetime.datetime.now()
+        text = change_json(keys.run_id, change, when) if opts.json else change_line(change, when)
+        out.out.write(text + "\n")
+        out.out.flush()
+
+    inbox = Inbox()
+    installed = threading.current_thread() is threading.main_thread()
+    previous: Any = signal.SIG_DFL
+    if installed:
+        # Ctrl-C is how a watch ends. A KeyboardInterrupt raised at a random point could
+        # land inside the etcd client's thread start-up or shutdown; a handler that only
+        # queues a stop ends the loop at its next wake-up instead.
+        previous = signal.signal(signal.SIGINT, lambda _sig, _frame: inbox.stop())
+    try:
+        follow(
+            client, keys, emit,
+            count=opts.count, timeout=opts.timeout, on_start=on_start, inbox=inbox,
+        )  # fmt: skip
+    finally:
+        if installed:
+            signal.signal(signal.SIGINT, previous)
+    return EXIT_OK
+
+
+_COMMANDS: dict[str, Callable[[EtcdClient, Options, _Out], int]] = {
+    "status": _status,
+    "watch": _watch,
+    "list": _list,
+    "close": _close,
+    "gc": _gc,
+}
+
+
+def run(opts: Options, out: TextIO, err: TextIO) -> int:
+    """Run a checked command; returns the exit code (errors are printed as one line)."""
+    printer = _Out(out, err, opts.json)
+    try:
+        with EtcdClient(opts.etcd) as client:
+            return _COMMANDS[opts.command](client, opts, printer)
+    except EtcdConnectionError as exc:
+        # Also EtcdAuthError and EtcdTLSError: the message names the endpoints or files.
+        printer.error(str(exc))
+        return EXIT_UNREACHABLE
+    except (_Failed, EtcdElasticError) as exc:
+        printer.error(str(exc))
+        return EXIT_FAILED
