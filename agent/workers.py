@@ -5,6 +5,15 @@ as a whole, children included). One waiter thread per worker blocks in ``wait()`
 calls the group's wake callback the moment the worker exits, so the agent's loop reacts
 at once instead of polling. Stopping sends SIGTERM to every group, waits up to a grace
 period (on the waiters' events, not a sleep), then SIGKILLs what is left and reaps it.
+
+Workers die with the agent (DESIGN §9, "no process outlives the agent"): on Linux each
+is started by :func:`coordinator.core.lifeline.spawn`, so the kernel SIGKILLs it when
+the agent process ends, even by SIGKILL, whichever thread called :meth:`WorkerGroup.start`
+(the fork happens on the lifeline's own long-lived thread; see that module for why
+neither ``preexec_fn`` nor the caller's thread would do). What the kernel kills is the
+worker itself; processes the worker started (its own session) get no signal from the
+kernel and must watch their parent, as torch's DataLoader workers do. Elsewhere than on
+Linux a SIGKILLed agent leaves its workers running.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from typing import IO, Any, TextIO
 from agent.logs import LinePump, StreamPlan, WorkerLogs
 from agent.policy import WorkerState
 from agent.ranks import WorkerRanks
+from coordinator.core.lifeline import Spawned, spawn
 
 __all__ = [
     "RUN_PATH_CODE",
@@ -175,9 +185,10 @@ def _open_stream(plan: StreamPlan) -> int | IO[Any] | None:
 
 
 class _Worker:
-    def __init__(self, launch: WorkerLaunch, proc: subprocess.Popen[bytes]) -> None:
+    def __init__(self, launch: WorkerLaunch, spawned: Spawned) -> None:
         self.launch = launch
-        self.proc = proc
+        self.spawned = spawned
+        self.proc = spawned.process
         self.exited: Exited | None = None
         self.done = threading.Event()
         self.pumps: list[LinePump] = []
@@ -213,9 +224,12 @@ class WorkerGroup:
     def start(self) -> None:
         """Start every worker.
 
+        Every worker is started first, then each one's program is confirmed to run: the
+        lifeline's exec trampoline of one worker starts while the next is forked.
+
         Raises:
-            WorkerStartError: a worker could not be started; those already started are
-                stopped and reaped first.
+            WorkerStartError: a worker could not be started; the whole group is stopped
+                and reaped first.
         """
         if self._started:
             raise RuntimeError("WorkerGroup.start: already started; make a new group")
@@ -224,18 +238,28 @@ class WorkerGroup:
             try:
                 self._start_one(launch)
             except OSError as exc:
-                self.stop(grace=0.0)
-                raise WorkerStartError(
-                    f"cannot start local rank {launch.ranks.local_rank}: {launch.argv[0]!r}: "
-                    f"{exc.strerror or exc}; check the program path (and --no-python)"
-                ) from exc
+                self._fail_start(launch, exc)
+        with self._lock:
+            workers = list(self._workers)
+        for worker in workers:
+            try:
+                worker.spawned.confirm()
+            except OSError as exc:
+                self._fail_start(worker.launch, exc)
+
+    def _fail_start(self, launch: WorkerLaunch, exc: OSError) -> None:
+        self.stop(grace=0.0)
+        raise WorkerStartError(
+            f"cannot start local rank {launch.ranks.local_rank}: {launch.argv[0]!r}: "
+            f"{exc.strerror or exc}; check the program path (and --no-python)"
+        ) from exc
 
     def _start_one(self, launch: WorkerLaunch) -> None:
         out = _open_stream(launch.logs.stdout)
         err = _open_stream(launch.logs.stderr)
         try:
-            proc = subprocess.Popen(
-                list(launch.argv),
+            spawned = spawn(
+                launch.argv,
                 env=dict(launch.env),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
@@ -246,7 +270,8 @@ class WorkerGroup:
             for stream in (out, err):
                 if hasattr(stream, "close"):
                     stream.close()  # type: ignore[union-attr]
-        worker = _Worker(launch, proc)
+        proc = spawned.process
+        worker = _Worker(launch, spawned)
         for source, plan, console in (
             (proc.stdout, launch.logs.stdout, self._console_out or sys.stdout),
             (proc.stderr, launch.logs.stderr, self._console_err or sys.stderr),
@@ -315,6 +340,7 @@ class WorkerGroup:
             workers = list(self._workers)
         self._stopped = True
         for worker in workers:
+            worker.spawned.abandon()  # a start that failed half way: nobody will confirm
             if not worker.done.is_set():
                 _signal_group(worker.proc.pid, sig)
         deadline = time.monotonic() + grace

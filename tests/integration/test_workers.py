@@ -217,6 +217,19 @@ def test_stop_terminates_then_kills_and_reaps_everything(groups: Groups, tmp_pat
     group.stop(grace=1.0)  # idempotent
 
 
+def test_workers_outlive_the_thread_that_started_them(groups: Groups, tmp_path: Path) -> None:
+    """Workers carry a parent-death signal, which the kernel ties to the thread that
+    forked them: the agent (or a test running one in a thread) may start a group from a
+    thread that then ends, and the workers must live on."""
+    argv = build_argv(_script(tmp_path, "sleep.py", "import time; time.sleep(600)"), [])
+    box: list[WorkerGroup] = []
+    thread = threading.Thread(target=lambda: box.append(groups.start(argv)[0]))
+    thread.start()
+    thread.join()
+    assert not groups.wake.wait(1.0), f"a worker exited: {box[0].exits()}"
+    assert box[0].state() is WorkerState.HEALTHY
+
+
 def test_exit_wakes_the_monitor_at_once(groups: Groups, tmp_path: Path) -> None:
     script = _script(tmp_path, "quick.py", """
         import os, sys, time
