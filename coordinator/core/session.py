@@ -4,8 +4,18 @@ As etcd's ``concurrency.Session``: the session owns the lease; every key the nod
 alone hangs on it, so when the node dies, freezes or is cut off for longer than the TTL,
 etcd deletes its keys and every watcher hears of it.
 
-Safety: once :meth:`Session.lost` is true, the node must assume its keys are gone and any
-rank it held may belong to someone else; it gets a new session to rejoin.
+The lease is lost only when etcd says so (DESIGN §4): while no etcd member answers, the
+session is UNREACHABLE, not lost, for as long as the outage lasts; etcd keeps leases
+across a restart and a new leader extends them all, so a node whose etcd comes back keeps
+its lease and keys. What each :class:`LeaseState` means for safety:
+
+* ALIVE: the lease and the node's keys exist (at least until ``alive_until``);
+* UNREACHABLE: unknown either way. Workers may keep training; do nothing that needs the
+  lease (no rendezvous writes) until etcd answers: then ALIVE again, or LOST;
+* LOST (etcd said so) or FAILED (the keep-alive thread died): :meth:`Session.lost` is
+  true; the node must assume its keys are gone and any rank it held may belong to someone
+  else; it gets a new session to rejoin;
+* CLOSED: :meth:`Session.close` was called.
 """
 
 from __future__ import annotations
@@ -14,7 +24,13 @@ import logging
 import threading
 from collections.abc import Callable
 
-from coordinator.core.etcd_client import EtcdClient, KeepAlive
+from coordinator.core.etcd_client import (
+    EtcdClient,
+    KeepAlive,
+    LeaseState,
+    OnReachable,
+    OnUnreachable,
+)
 
 __all__ = ["Session"]
 
@@ -27,28 +43,59 @@ class Session:
     Args:
         client: the etcd client.
         ttl: lease time-to-live in seconds (keep-alives go out about every ttl/3).
-        on_lost: called once, from a background thread, when the lease is lost.
+        on_lost: called once, from a background thread, when the lease is lost (LOST or
+            FAILED; not after :meth:`close`).
+        on_unreachable: called once per outage, from a background thread, when no etcd
+            member answered since the lease's guarantee ran out, with the
+            :class:`~coordinator.core.etcd_client.Outage` (its ``message(now)`` is the
+            line to log: it names the endpoints). Default: that line is logged as a
+            warning.
+        on_reachable: called once when etcd answers again after such an outage, with the
+            seconds of silence. Default: an info line.
+
+    Callbacks must not block. Raises what :meth:`EtcdClient.lease_grant` raises.
     """
 
     def __init__(
-        self, client: EtcdClient, ttl: int, on_lost: Callable[[], None] | None = None
+        self,
+        client: EtcdClient,
+        ttl: int,
+        on_lost: Callable[[], None] | None = None,
+        *,
+        on_unreachable: OnUnreachable | None = None,
+        on_reachable: OnReachable | None = None,
     ) -> None:
         self._client = client
         self.ttl = ttl
         self._on_lost = on_lost
         self._closed = threading.Event()
+        # Read before the grant is sent: the lease surely lives ttl from then.
+        granted_at = client._clock()
         self.lease_id = client.lease_grant(ttl)
-        self._keepalive: KeepAlive = client.keep_alive(self.lease_id, ttl, self._lost_cb)
+        self._keepalive: KeepAlive = client.keep_alive(
+            self.lease_id, ttl, self._lost_cb,
+            on_unreachable=on_unreachable, on_reachable=on_reachable, granted_at=granted_at,
+        )  # fmt: skip
 
     def _lost_cb(self) -> None:
         if self._closed.is_set():
             return  # our own close revoked it: not a loss
-        log.warning("lease %x lost (ttl %d s): this node's keys are gone", self.lease_id, self.ttl)
         if self._on_lost is not None:
             self._on_lost()
 
+    @property
+    def state(self) -> LeaseState:
+        """What this node may assume about its lease (see the module docstring)."""
+        return self._keepalive.state
+
+    @property
+    def alive_until(self) -> float:
+        """Monotonic time until which the lease surely exists (from etcd's last answer)."""
+        return self._keepalive.alive_until
+
     def lost(self) -> bool:
-        """Whether etcd has (or must be assumed to have) expired the lease."""
+        """Whether the lease must be replaced: etcd said it is gone, or the keep-alive
+        thread died. Never true merely because etcd is silent."""
         return self._keepalive.lost()
 
     def close(self, revoke: bool = True) -> None:

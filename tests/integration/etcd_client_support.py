@@ -1,15 +1,24 @@
-"""What the tests of coordinator.core.etcd_client share: a client factory, a bounded poll and
-a watch-callback recorder (their fixtures are in ``conftest.py``)."""
+"""What the tests of coordinator.core.etcd_client share: a client factory, a bounded poll,
+a watch-callback recorder, a lease-callback recorder, and a lease-owning child program to
+freeze with SIGSTOP (their fixtures are in ``conftest.py``).
+
+Run as ``python -m tests.integration.etcd_client_support ENDPOINTS TTL KEY`` it is that
+child: it takes a lease, puts KEY on it, keeps it alive and prints one JSON line per
+event (``ready``, ``unreachable``, ``reachable``, ``lost``) until the lease is lost.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+import sys
 import threading
 import time
 from typing import Any
 
-from coordinator.core.etcd_client import EtcdClient, EtcdConfig, WatchEvent
+from coordinator.core.etcd_client import EtcdClient, EtcdConfig, Outage, WatchEvent
 
-__all__ = ["Recorder", "_client", "_eventually"]
+__all__ = ["LeaseEvents", "Recorder", "_client", "_eventually"]
 
 
 def _client(endpoints: list[str], **kwargs: Any) -> EtcdClient:
@@ -57,3 +66,61 @@ class Recorder:
                 f"watch did not deliver in {timeout} s: {len(self.events)} events, "
                 f"compacted={self.compacted}, errors={self.errors}"
             )
+
+
+class LeaseEvents:
+    """Collects a keep-alive's callbacks (on_lost, on_unreachable, on_reachable)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.lost: list[float] = []
+        self.unreachable: list[Outage] = []
+        self.reachable: list[float] = []
+        self.unreachable_at: list[float] = []  # monotonic time of each on_unreachable
+
+    def on_lost(self) -> None:
+        with self.cond:
+            self.lost.append(time.monotonic())
+            self.cond.notify_all()
+
+    def on_unreachable(self, outage: Outage) -> None:
+        with self.cond:
+            self.unreachable.append(outage)
+            self.unreachable_at.append(time.monotonic())
+            self.cond.notify_all()
+
+    def on_reachable(self, silence: float) -> None:
+        with self.cond:
+            self.reachable.append(silence)
+            self.cond.notify_all()
+
+    def wait(self, predicate: Any, timeout: float) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: predicate(self), timeout), (
+                f"lease callbacks not seen in {timeout} s: lost={self.lost}, "
+                f"unreachable={self.unreachable}, reachable={self.reachable}"
+            )
+
+
+def _lease_owner(endpoints: str, ttl: int, key: str) -> None:
+    def say(event: str, **fields: Any) -> None:
+        print(json.dumps({"event": event, **fields}), flush=True)
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    with _client(endpoints.split(",")) as client:
+        lease = client.lease_grant(ttl)
+        client.put(key.encode(), b"owned", lease=lease)
+        keepalive = client.keep_alive(
+            lease,
+            ttl,
+            on_unreachable=lambda outage: say("unreachable", since=outage.since),
+            on_reachable=lambda silence: say("reachable", silence=silence),
+        )
+        say("ready", lease=lease)
+        keepalive.wait_lost(120)
+        say("lost", state=keepalive.state.value, reason=keepalive.lost_reason)
+        keepalive.close(revoke=False)
+
+
+if __name__ == "__main__":
+    _lease_owner(sys.argv[1], int(sys.argv[2]), sys.argv[3])

@@ -185,22 +185,6 @@ def test_keep_alive_reports_a_lease_revoked_by_another_client(
         assert lost == [1]
 
 
-def test_keep_alive_reports_loss_within_about_a_ttl_when_no_member_answers(
-    prefix: bytes,
-) -> None:
-    with EtcdCluster(1, no_fsync=True) as cluster, _client(cluster.endpoints) as client:
-        lease = client.lease_grant(2)
-        lost: list[int] = []
-        keepalive = client.keep_alive(lease, 2, on_lost=lambda: lost.append(1))
-        assert not keepalive.wait_lost(1.0)
-        cluster.stop()
-        began = time.monotonic()
-        assert keepalive.wait_lost(10)
-        assert time.monotonic() - began < 2 + 1.5
-        assert lost == [1]
-        keepalive.close()  # revoking is impossible now; bounded, and no error
-
-
 # -- failover -----------------------------------------------------------------------------
 
 
@@ -289,7 +273,7 @@ def test_auth_good_and_bad_passwords_permissions_and_token_refresh(prefix: bytes
         with anonymous, pytest.raises(EtcdAuthError) as info:
             anonymous.get(allowed + b"k")
         assert str(info.value) == (
-            f"etcd refused get on key {allowed + b'k'!r}: etcdserver: user name is empty; "
+            f"etcd refused get on key {allowed.decode()}k: etcdserver: user name is empty; "
             "etcd has auth enabled: set the user and password settings"
         )
 
@@ -299,7 +283,7 @@ def test_auth_good_and_bad_passwords_permissions_and_token_refresh(prefix: bytes
             with pytest.raises(EtcdAuthError) as info:
                 alice.put(denied, b"v")
             assert str(info.value) == (
-                f"etcd user 'alice' is not permitted to put on key {denied!r} "
+                f"etcd user 'alice' is not permitted to put on key {denied.decode()} "
                 "(etcdserver: permission denied); grant the user's role readwrite on the key "
                 "prefix"
             )
@@ -311,7 +295,7 @@ def test_auth_good_and_bad_passwords_permissions_and_token_refresh(prefix: bytes
             assert rec.errors[0] is refusal.value
             # etcd's own wording of the reason differs between versions; ours is pinned.
             assert re.fullmatch(
-                rf"etcd user 'alice' may not watch key {re.escape(repr(denied))} \(.*"
+                rf"etcd user 'alice' may not watch key {re.escape(denied.decode())} \(.*"
                 r"etcdserver: permission denied\); grant the user's role read on the key prefix",
                 str(refusal.value),
             ), str(refusal.value)

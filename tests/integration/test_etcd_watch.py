@@ -113,7 +113,7 @@ def test_wait_created_raises_when_no_member_confirms_or_the_client_closes() -> N
             watch.wait_created(0.5)
         # The same words as a unary call that found no member: every endpoint, last error.
         assert re.fullmatch(
-            rf"no etcd member answered watch on key b'/k' within 0.5 s; tried {dead}; last "
+            rf"no etcd member answered watch on key /k within 0.5 s; tried {dead}; last "
             rf"error from {dead}: UNAVAILABLE: .+\. Check that etcd runs and is reachable "
             "at these endpoints",
             str(info.value),

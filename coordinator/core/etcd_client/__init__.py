@@ -17,8 +17,17 @@ Error boundary: no ``grpc.RpcError`` leaves this package. Every failure becomes 
 
 Threads: a client owns at most one watch thread (all watches share one gRPC stream) and
 one thread per :class:`KeepAlive`; gRPC adds one request-feeding thread per stream. All
-are daemon threads and are joined by :meth:`EtcdClient.close`. Construction does no
+are daemon threads started through ``coordinator.core.threads.start_guarded`` and joined
+by :meth:`EtcdClient.close`. One that dies of an unexpected exception ends what it served
+with an error its owner hears of (the watches' ``on_error``, the lease's FAILED state and
+``on_lost``) and is reported to the client's death listeners. Construction does no
 network I/O: the first call connects and authenticates.
+
+Timers: only a call's own ``retry_budget`` (and ``Watch.wait_created``'s timeout) ends a
+wait. Watch streams and keep-alives never give up while etcd is silent; a lease is lost
+only when etcd says so (:class:`LeaseState`).
+
+Messages name keys as text (``/etcd-elastic/job/state``), never as a bytes repr.
 
 Layout, one concept per module (import from this package, not from them):
 
@@ -27,9 +36,12 @@ Layout, one concept per module (import from this package, not from them):
   ``run_with_failover`` (pure: clock, sleep and rng are injected);
 * ``_connection``: channels, the auth token, one unary RPC with failover and error
   translation (the base of ``EtcdClient``);
-* ``_client``: ``EtcdClient``: KV, revision-guarded transactions, leases, watches;
+* ``_kv``: KV calls and revision-guarded transactions (the next layer);
+* ``_client``: ``EtcdClient``: leases, keep-alives, watches, thread deaths;
+* ``_liveness``: ``LeaseState`` and the pure rules of a lease's keep-alive;
 * ``_keepalive``: ``KeepAlive``, one keep-alive stream per lease;
-* ``_watch``: ``Watch``, every watch of a client on one resumable stream.
+* ``_watch``: ``Watch``, one watch and how it ends;
+* ``_watcher``: the watch thread, every watch of a client on one resumable stream.
 """
 
 from coordinator.core.etcd_client._client import EtcdClient
@@ -50,12 +62,14 @@ from coordinator.core.etcd_client._failover import (
     classify_status,
     run_with_failover,
 )
-from coordinator.core.etcd_client._keepalive import KeepAlive
+from coordinator.core.etcd_client._keepalive import KeepAlive, OnReachable, OnUnreachable
+from coordinator.core.etcd_client._liveness import LeaseState, Outage
 from coordinator.core.etcd_client._types import (
     EtcdConfig,
     KeyValue,
     TxnResult,
     WatchEvent,
+    key_text,
     parse_endpoint,
     prefix_range_end,
 )
@@ -66,11 +80,16 @@ __all__ = [
     "EtcdConfig",
     "KeepAlive",
     "KeyValue",
+    "LeaseState",
+    "OnReachable",
+    "OnUnreachable",
+    "Outage",
     "TxnResult",
     "Watch",
     "WatchEvent",
     "backoff_delay",
     "classify_status",
+    "key_text",
     "parse_endpoint",
     "prefix_range_end",
     "run_with_failover",

@@ -27,7 +27,7 @@ from coordinator.core.etcd_client._failover import (
     classify_status,
     run_with_failover,
 )
-from coordinator.core.etcd_client._types import EtcdConfig
+from coordinator.core.etcd_client._types import EtcdConfig, key_text
 
 __all__ = ["Metadata", "_Connection", "_stream_metadata"]
 
@@ -254,7 +254,7 @@ class _Connection:
 
     def _translate(self, what: str, key: bytes | None, code: Any, details: str) -> Exception:
         kind = classify_status(code, details)
-        on_key = f" on key {key!r}" if key is not None else ""
+        on_key = f" on key {key_text(key)}" if key is not None else ""
         if kind == PERMISSION:
             return EtcdAuthError(
                 f"etcd user {self._config.user!r} is not permitted to {what}{on_key} "

@@ -13,6 +13,7 @@ __all__ = [
     "TxnResult",
     "WatchEvent",
     "_kv",
+    "key_text",
     "parse_endpoint",
     "prefix_range_end",
 ]
@@ -134,6 +135,15 @@ def parse_endpoint(text: str) -> tuple[str, int]:
             "give members as host:port without a scheme"
         )
     return host, int(port)
+
+
+def key_text(key: bytes) -> str:
+    """``key`` as it reads in a message or log line: text, as etcdctl prints it.
+
+    Our keys are UTF-8; a byte that is not shows as ``\\xNN`` instead of failing, so a
+    foreign key still prints. Never the Python bytes repr (``b'/etcd-elastic/…'``).
+    """
+    return key.decode("utf-8", errors="backslashreplace")
 
 
 def prefix_range_end(prefix: bytes) -> bytes:

@@ -1,0 +1,226 @@
+"""KV reads and writes and revision-guarded transactions: the ``_KV`` layer of EtcdClient."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from etcd3 import etcdrpc
+
+from coordinator.core.etcd_client._connection import _Connection
+from coordinator.core.etcd_client._types import (
+    KeyValue,
+    TxnResult,
+    _kv,
+    key_text,
+    prefix_range_end,
+)
+
+__all__ = ["_KV", "_check_prefix"]
+
+
+class _KV(_Connection):
+    """Every KV call of :class:`EtcdClient`; each returns etcd's header revision with its
+    result, so callers can watch from exactly the revision they read."""
+
+    def _range(self, what: str, request: Any, key: bytes) -> Any:
+        return self._unary(
+            what, lambda s, t, m: s.kv.Range(request, timeout=t, metadata=m), key=key
+        )
+
+    def get(self, key: bytes) -> tuple[KeyValue | None, int]:
+        """Return the key (None if absent) and the header revision."""
+        rsp = self._range("get", etcdrpc.RangeRequest(key=key), key)
+        return (_kv(rsp.kvs[0]) if rsp.kvs else None), int(rsp.header.revision)
+
+    def get_prefix(
+        self,
+        prefix: bytes,
+        *,
+        sort_by_create: bool = False,
+        descending: bool = False,
+        limit: int = 0,
+        max_create_revision: int = 0,
+        keys_only: bool = False,
+    ) -> tuple[list[KeyValue], int]:
+        """Return the keys under ``prefix`` and the header revision.
+
+        Sorted by key, or by create revision with ``sort_by_create``; ``limit`` 0 is no
+        limit; ``max_create_revision`` > 0 keeps keys created at or before it.
+        """
+        request = etcdrpc.RangeRequest(
+            key=prefix,
+            range_end=prefix_range_end(prefix),
+            limit=limit,
+            keys_only=keys_only,
+            max_create_revision=max_create_revision,
+            sort_target=etcdrpc.RangeRequest.CREATE if sort_by_create else etcdrpc.RangeRequest.KEY,
+            sort_order=etcdrpc.RangeRequest.DESCEND if descending else etcdrpc.RangeRequest.ASCEND,
+        )
+        rsp = self._range("get_prefix", request, prefix)
+        return [_kv(kv) for kv in rsp.kvs], int(rsp.header.revision)
+
+    def count_prefix(self, prefix: bytes) -> tuple[int, int]:
+        """Return how many keys are under ``prefix`` and the header revision."""
+        request = etcdrpc.RangeRequest(
+            key=prefix, range_end=prefix_range_end(prefix), count_only=True
+        )
+        rsp = self._range("count_prefix", request, prefix)
+        return int(rsp.count), int(rsp.header.revision)
+
+    def put(self, key: bytes, value: bytes, *, lease: int = 0) -> int:
+        """Write ``key`` (bound to ``lease`` if non-zero); return the header revision."""
+        request = etcdrpc.PutRequest(key=key, value=value, lease=lease)
+        rsp = self._unary("put", lambda s, t, m: s.kv.Put(request, timeout=t, metadata=m), key=key)
+        return int(rsp.header.revision)
+
+    def put_created(self, key: bytes, value: bytes, *, lease: int = 0) -> int:
+        """Write ``key`` as :meth:`put` does; return the key's create revision.
+
+        One round trip: etcd returns the previous value, whose create revision the key
+        keeps; with no previous value the key was created by this put, at its revision.
+        """
+        request = etcdrpc.PutRequest(key=key, value=value, lease=lease, prev_kv=True)
+        rsp = self._unary("put", lambda s, t, m: s.kv.Put(request, timeout=t, metadata=m), key=key)
+        if rsp.HasField("prev_kv") and rsp.prev_kv.key:
+            return int(rsp.prev_kv.create_revision)
+        return int(rsp.header.revision)
+
+    def _delete_range(self, what: str, key: bytes, range_end: bytes) -> tuple[int, int]:
+        request = etcdrpc.DeleteRangeRequest(key=key, range_end=range_end)
+        rsp = self._unary(
+            what, lambda s, t, m: s.kv.DeleteRange(request, timeout=t, metadata=m), key=key
+        )
+        return int(rsp.deleted), int(rsp.header.revision)
+
+    def delete(self, key: bytes) -> tuple[int, int]:
+        """Delete ``key``; return how many keys were deleted (0 or 1) and the revision."""
+        return self._delete_range("delete", key, b"")
+
+    def delete_prefix(self, prefix: bytes) -> tuple[int, int]:
+        """Delete every key under ``prefix``; return the count deleted and the revision.
+
+        Raises:
+            ValueError: ``prefix`` is empty (that would wipe the whole keyspace).
+        """
+        _check_prefix(prefix)
+        return self._delete_range("delete_prefix", prefix, prefix_range_end(prefix))
+
+    def _guarded_txn(
+        self,
+        what: str,
+        key: bytes,
+        mod_revision: int,
+        success: list[Any],
+        fence: tuple[bytes, int] | None = None,
+    ) -> TxnResult:
+        if mod_revision == 0:
+            # Revision 0 means "the key must not exist": an absent key has version 0.
+            compare = etcdrpc.Compare(
+                key=key, target=etcdrpc.Compare.VERSION, result=etcdrpc.Compare.EQUAL, version=0
+            )
+        else:
+            compare = etcdrpc.Compare(
+                key=key,
+                target=etcdrpc.Compare.MOD,
+                result=etcdrpc.Compare.EQUAL,
+                mod_revision=mod_revision,
+            )
+        compares = [compare]
+        # A lost race reads the winner's value in the same round trip.
+        failure = [etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key))]
+        if fence is not None:
+            # The writer's own key must still be the one it was elected with (etcd's
+            # election recipe): a key that is gone has create revision 0 and fails too.
+            fence_key, create_revision = fence
+            compares.append(
+                etcdrpc.Compare(
+                    key=fence_key,
+                    target=etcdrpc.Compare.CREATE,
+                    result=etcdrpc.Compare.EQUAL,
+                    create_revision=create_revision,
+                )
+            )
+            failure.append(
+                etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=fence_key, keys_only=True))
+            )
+        request = etcdrpc.TxnRequest(compare=compares, success=success, failure=failure)
+        # Retrying after an unknown outcome (a timeout, a member dying mid-call) is safe:
+        # if the first attempt committed, the key's mod_revision moved, so the retry's
+        # compare fails and returns the current value, which the caller re-examines (it
+        # sees its own write) instead of the write being applied twice.
+        rsp = self._unary(what, lambda s, t, m: s.kv.Txn(request, timeout=t, metadata=m), key=key)
+        current = None
+        fenced_out = False
+        if not rsp.succeeded and rsp.responses:
+            kvs = rsp.responses[0].response_range.kvs
+            current = _kv(kvs[0]) if kvs else None
+            if fence is not None:
+                fence_kvs = rsp.responses[1].response_range.kvs
+                fenced_out = not fence_kvs or int(fence_kvs[0].create_revision) != fence[1]
+        return TxnResult(bool(rsp.succeeded), int(rsp.header.revision), current, fenced_out)
+
+    def put_if_mod_revision(
+        self,
+        key: bytes,
+        value: bytes,
+        mod_revision: int,
+        *,
+        lease: int = 0,
+        also_put: Sequence[tuple[bytes, bytes, int]] = (),
+        also_delete_prefixes: Sequence[bytes] = (),
+        fence: tuple[bytes, int] | None = None,
+    ) -> TxnResult:
+        """Put ``key`` only if its mod_revision is still ``mod_revision`` (0: absent).
+
+        On success also puts each ``(key, value, lease)`` of ``also_put`` and deletes
+        each prefix of ``also_delete_prefixes``, all in one transaction. On failure the
+        result carries the key's current value. With ``fence=(key, create_revision)``
+        the write also requires that key to exist with that create revision; a failure
+        because it does not sets ``fenced_out``.
+
+        Raises:
+            ValueError: a key is written twice, or a put falls under a deleted prefix
+                (etcd refuses such a transaction).
+        """
+        puts = [(key, value, lease), *also_put]
+        _check_txn_ops([k for k, _, _ in puts], also_delete_prefixes)
+        success = [
+            etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=k, value=v, lease=lease_id))
+            for k, v, lease_id in puts
+        ] + [
+            etcdrpc.RequestOp(
+                request_delete_range=etcdrpc.DeleteRangeRequest(
+                    key=p, range_end=prefix_range_end(p)
+                )
+            )
+            for p in also_delete_prefixes
+        ]
+        return self._guarded_txn("put_if_mod_revision", key, mod_revision, success, fence)
+
+    def delete_if_mod_revision(self, key: bytes, mod_revision: int) -> TxnResult:
+        """Delete ``key`` only if its mod_revision is still ``mod_revision``."""
+        success = [etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=key))]
+        return self._guarded_txn("delete_if_mod_revision", key, mod_revision, success)
+
+
+def _check_prefix(prefix: bytes) -> None:
+    if not prefix:
+        raise ValueError("an empty key prefix would select the whole keyspace; refusing it")
+
+
+def _check_txn_ops(put_keys: Sequence[bytes], delete_prefixes: Sequence[bytes]) -> None:
+    seen: set[bytes] = set()
+    for key in put_keys:
+        if key in seen:
+            raise ValueError(f"key {key_text(key)} is written twice in one transaction")
+        seen.add(key)
+        for prefix in delete_prefixes:
+            _check_prefix(prefix)
+            if key.startswith(prefix):
+                raise ValueError(
+                    f"key {key_text(key)} is put and deleted (prefix {key_text(prefix)}) "
+                    "in one transaction"
+                )
+    for prefix in delete_prefixes:
+        _check_prefix(prefix)
