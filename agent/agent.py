@@ -14,6 +14,11 @@ signal leaves the rendezvous before stopping its workers; a rendezvous error (cl
 etcd unreachable, join timeout) ends the agent with one ``etcdrun: error:`` line and
 never closes the run; a counted restart is given back when the next round has fewer
 nodes (:func:`agent.policy.restart_refunded`).
+
+The loop never blocks inside library code: rendezvous, rank exchange and the exit
+barrier run as phases (:mod:`agent.rounds`) while the loop waits on its event, so a stop
+request (a signal is only a flag, :mod:`agent.stopping`) and a membership change end any
+wait without an exception raised into an RPC.
 """
 
 from __future__ import annotations
@@ -25,8 +30,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Mapping
-from types import FrameType
-from typing import TextIO
+from typing import TextIO, TypeVar
 
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler
 
@@ -35,15 +39,26 @@ from agent.ending import (
     close_reason,
     close_rendezvous,
     closed_mode,
+    collect_failures,
     exit_barrier,
     leave,
     release_exit_barrier,
 )
-from agent.errorfile import Failure, format_report, read_failure, root_cause
-from agent.launches import build_launches, resolve_master
+from agent.errorfile import Failure, format_report, root_cause
+from agent.launches import build_launches
 from agent.logs import LogSpec, RunLogDir
+from agent.phase import Phase
 from agent.policy import Step, WorkerState, next_step, restart_refunded
-from agent.ranks import RoleInfo, Store, exchange_ranks
+from agent.ranks import Store
+from agent.recording import RoundRecorder
+from agent.rounds import (
+    Formed,
+    MembershipChanged,
+    barrier_changed,
+    form_round,
+    formation_changed,
+    store_aborter,
+)
 from agent.workers import (
     GroupInfo,
     WorkerGroup,
@@ -51,7 +66,7 @@ from agent.workers import (
     omp_num_threads,
 )
 
-__all__ = ["Agent", "Interrupted", "signal_exit_code"]
+__all__ = ["Agent", "signal_exit_code"]
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +76,7 @@ def signal_exit_code(signum: int) -> int:
     return 128 + signum
 
 
-class Interrupted(BaseException):
-    """Raised by :meth:`Agent.handle_signal` to abandon a blocking rendezvous or barrier.
-
-    A BaseException, like KeyboardInterrupt, so that ``except Exception`` in the handler
-    or the store does not swallow it.
-    """
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"interrupted by signal {signum}")
-        self.signum = signum
+T = TypeVar("T")
 
 
 class Agent:
@@ -101,7 +107,6 @@ class Agent:
         self._wake = threading.Event()
         self._push_events = False
         self._stop_signal: int | None = None
-        self._blocking = False
         self._restarts_left = config.max_restarts
         # Group size of the round whose worker failure was just counted, until the next
         # round forms and shows whether a node went away (see restart_refunded).
@@ -114,6 +119,7 @@ class Agent:
         self._failures: dict[int, Failure] = {}
         self._report: str | None = None
         self._hostname = socket.gethostname()
+        self._history = RoundRecorder(handler, self._base_env)
         self._logdir = RunLogDir(config.log_dir, handler.get_run_id())
         self._logspec = LogSpec(
             log_dir=config.log_dir,
@@ -162,17 +168,14 @@ class Agent:
         return self._stop_signal
 
     def request_stop(self, signum: int) -> None:
-        """Ask the loop to stop the workers and return ``128 + signum``. Thread-safe."""
+        """Ask the loop to stop the workers and return ``128 + signum``.
+
+        Thread-safe, and what a signal turns into (:func:`agent.stopping.stop_requests`):
+        the loop, wherever it waits, wakes and stops cooperatively.
+        """
         if self._stop_signal is None:
             self._stop_signal = signum
         self._wake.set()
-
-    def handle_signal(self, signum: int, frame: FrameType | None) -> None:
-        """A ``signal.signal`` handler: requests a stop, and abandons a blocking
-        rendezvous or exit barrier by raising :class:`Interrupted` (main thread only)."""
-        self.request_stop(signum)
-        if self._blocking:
-            raise Interrupted(signum)
 
     def wake(self) -> None:
         """Wake the loop now (thread-safe); used by worker waiters and the rendezvous."""
@@ -185,12 +188,12 @@ class Agent:
         )
         unsubscribe = subscribe(self.wake) if subscribe is not None else None
         self._push_events = unsubscribe is not None
+        code = 1
         try:
-            try:
-                code = self._loop()
-            except Interrupted:
-                code = None
-            if code is None:
+            ended = self._loop()
+            if ended is not None:
+                code = ended
+            else:
                 signum = self._stop_signal or signal.SIGTERM
                 log.warning("%s: stopping workers on signal %d", self._ctx(), signum)
                 # Leave first (ours: revoke the lease): the other nodes restart at once for
@@ -198,13 +201,14 @@ class Agent:
                 # fail when our workers go (a counted restart) and only then our key.
                 leave(self._handler, self._ctx())
                 # Pass the signal on, as torch does: a script may treat SIGINT apart.
-                self._stop_group(signal.Signals(signum))
-                return signal_exit_code(signum)
+                self._stop_group(signal.Signals(signum), reason="stop")
+                code = signal_exit_code(signum)
             return code
         finally:
-            self._stop_group()
+            self._stop_group(reason="exit")
             if unsubscribe is not None:
                 unsubscribe()
+            self._history.exited(code)
 
     # -- the loop ------------------------------------------------------------------
 
@@ -229,70 +233,75 @@ class Agent:
             return self._give_up(f"etcdrun: error: {text}", close=False)
 
     def _monitor(self) -> int | None:
+        """Start a round, then react to each wake-up; an exit code, or None when stopped."""
         if not self._start_round():
             return None
-        while True:
-            if self._stop_signal is not None:
-                return None
+        while self._stop_signal is None:
             self._wake.wait(self._config.monitor_interval)
             self._wake.clear()
             if self._stop_signal is not None:
-                return None
+                break
             group = self._group
             state = group.state() if group is not None else WorkerState.UNKNOWN
             if self._must_stop_for_closed_run(state):
-                # The next rendezvous raises the handler's closed error, which carries the
-                # closer's reason (its root cause), and the agent ends with that line.
-                self._collect_failures()
-                first = root_cause(self._failures) if self._failures else None
-                log.warning(
-                    "%s: the run was closed by another node; stopping the workers%s",
-                    self._ctx(),
-                    f" (one had failed: rank {first.global_rank}: {first.message})"
-                    if state is WorkerState.FAILED and first is not None
-                    else "",
-                )
-                self._stop_group()
-                if not self._start_round():
-                    return None
-                continue
-            changed = state is WorkerState.HEALTHY and self._handler.num_nodes_waiting() > 0
-            step = next_step(state, self._restarts_left, changed)
-            if step is Step.CONTINUE:
-                continue
-            if step is Step.SUCCEED:
-                log.info("%s: all workers succeeded; waiting for the other nodes", self._ctx())
-                self._exit_barrier()
-                close_rendezvous(
-                    self._handler,
-                    "the job finished: every worker succeeded",
-                    self._ctx(),
-                    failed=False,
-                )
-                return 0
-            if step is Step.FAIL:
-                self._collect_failures()
-                return self._give_up(None)
-            if step is Step.RESTART_COUNTED:
-                self._collect_failures()
-                self._restarts_left -= 1
-                self._charged_group_size = self._group_world_size
-                first = root_cause(self._failures) if self._failures else None
-                log.warning(
-                    "%s: worker group %s (root cause: rank %s: %s); restarting, %d of %d "
-                    "restarts left",
-                    self._ctx(),
-                    state.value,
-                    first and first.global_rank,
-                    first and first.message,
-                    self._restarts_left,
-                    self._config.max_restarts,
-                )
+                self._stop_for_closed_run(state)
             else:
-                log.info("%s: membership changed; restarting (not counted)", self._ctx())
-            self._stop_group()
+                changed = state is WorkerState.HEALTHY and self._handler.num_nodes_waiting() > 0
+                step = next_step(state, self._restarts_left, changed)
+                if step is Step.CONTINUE:
+                    continue
+                if step is Step.SUCCEED:
+                    return self._succeed()
+                if step is Step.FAIL:
+                    self._failures = collect_failures(self._group) or self._failures
+                    return self._give_up(None)
+                self._before_restart(step, state)
             if not self._start_round():
-                return None
+                break
+        return None
+
+    def _stop_for_closed_run(self, state: WorkerState) -> None:
+        # The next rendezvous raises the handler's closed error, which carries the closer's
+        # reason (its root cause), and the agent ends with that line.
+        self._failures = collect_failures(self._group) or self._failures
+        first = root_cause(self._failures) if self._failures else None
+        log.warning(
+            "%s: the run was closed by another node; stopping the workers%s",
+            self._ctx(),
+            f" (one had failed: rank {first.global_rank}: {first.message})"
+            if state is WorkerState.FAILED and first is not None
+            else "",
+        )
+        self._stop_group(reason="closed")
+
+    def _succeed(self) -> int:
+        log.info("%s: all workers succeeded; waiting for the other nodes", self._ctx())
+        self._stop_group(reason="success")  # reaps them and their leftovers
+        self._exit_barrier()
+        close_rendezvous(
+            self._handler, "the job finished: every worker succeeded", self._ctx(), failed=False
+        )
+        return 0
+
+    def _before_restart(self, step: Step, state: WorkerState) -> None:
+        """Count (or not) the restart ``step`` asks for, say why, and stop the workers."""
+        if step is Step.RESTART_COUNTED:
+            self._failures = collect_failures(self._group) or self._failures
+            self._restarts_left -= 1
+            self._charged_group_size = self._group_world_size
+            first = root_cause(self._failures) if self._failures else None
+            log.warning(
+                "%s: worker group %s (root cause: rank %s: %s); restarting, %d of %d restarts left",
+                self._ctx(),
+                state.value,
+                first and first.global_rank,
+                first and first.message,
+                self._restarts_left,
+                self._config.max_restarts,
+            )
+        else:
+            log.info("%s: membership changed; restarting (not counted)", self._ctx())
+        self._stop_group(reason="failure" if step is Step.RESTART_COUNTED else "membership")
 
     def _refund_restart(self, group_world_size: int) -> None:
         charged, self._charged_group_size = self._charged_group_size, None
@@ -336,7 +345,7 @@ class Agent:
         if self._store is not None:
             # Nodes of the last round already at its exit barrier stop waiting for us.
             release_exit_barrier(self._store, who, self._ctx())
-        self._stop_group()
+        self._stop_group(reason="failure")
         parts = [reason] if reason else []
         if self._failures:
             parts.append(format_report(self._name(), self._failures, self._hostname))
@@ -351,78 +360,85 @@ class Agent:
     def _name(self) -> str:
         return self._config.entrypoint
 
-    def _stop_group(self, sig: signal.Signals = signal.SIGTERM) -> None:
-        if self._group is not None:
-            self._group.stop(self._config.stop_grace_period, sig)
-
-    def _collect_failures(self) -> None:
+    def _stop_group(self, sig: signal.Signals = signal.SIGTERM, *, reason: str) -> None:
         group = self._group
-        if group is None:
-            return
-        launches = {w.ranks.local_rank: w for w in group.launches}
-        failures: dict[int, Failure] = {}
-        for local_rank, exited in group.exits().items():
-            if exited.returncode == 0:
-                continue
-            launch = launches[local_rank]
-            failures[launch.ranks.global_rank] = read_failure(
-                global_rank=launch.ranks.global_rank,
-                local_rank=local_rank,
-                pid=exited.pid,
-                exitcode=exited.returncode,
-                error_file=launch.logs.error_file,
-                observed_at=exited.wall_time,
+        if group is not None and group.state() is not WorkerState.STOPPED:
+            group.stop(self._config.stop_grace_period, sig)
+            self._history.stopped(reason)
+
+    def _await(self, phase: Phase[T], changed: Callable[[Phase[T]], str | None]) -> T | None:
+        """Wait for ``phase``: its result; None on a stop request.
+
+        Raises:
+            MembershipChanged: ``changed`` saw a change the phase must not outlive.
+            whatever the phase raised.
+        """
+        phase.start()
+        while True:
+            if self._stop_signal is not None:
+                phase.abandon()
+                return None
+            if phase.done:
+                return phase.result()
+            why = changed(phase) if self._push_events else None
+            if why is not None:
+                phase.abandon()
+                raise MembershipChanged(why)
+            self._wake.wait()
+            self._wake.clear()
+
+    def _form(self) -> Formed | None:
+        """Rendezvous until a round forms whose ranks this node agreed; None if stopped."""
+        while True:
+            log.info("%s: joining the next rendezvous round", self._ctx())
+            phase: Phase[Formed] = Phase(
+                "rendezvous", lambda p: form_round(self._handler, self._config, p), self.wake
             )
-        if failures:
-            self._failures = failures
+            try:
+                return self._await(phase, formation_changed(self._handler))
+            except MembershipChanged as exc:
+                log.info(
+                    "%s: %s during the rank exchange; joining the next round (not counted)",
+                    self._ctx(),
+                    exc,
+                )
 
     def _start_round(self) -> bool:
         """Rendezvous, agree on ranks and master, start the workers; False if stopped."""
         config = self._config
-        self._blocking = True
-        try:
-            if self._stop_signal is not None:
-                return False
-            log.info("%s: joining the next rendezvous round", self._ctx())
-            info = self._handler.next_rendezvous()
-            store, group_rank, group_world_size = info.store, info.rank, info.world_size
-            self._store, self._group_rank = store, group_rank
-            self._refund_restart(group_world_size)
-            self._group_world_size = group_world_size
-            assignment = exchange_ranks(
-                store, RoleInfo(config.role, group_rank, config.nproc_per_node), group_world_size
-            )
-            use_agent_store = bool(self._handler.use_agent_store)
-            master_addr, master_port = resolve_master(config, info, store, group_rank)
-        finally:
-            self._blocking = False
         if self._stop_signal is not None:
             return False
+        formed = self._form()
+        if formed is None or self._stop_signal is not None:
+            return False
+        group_rank, group_world_size = formed.info.rank, formed.info.world_size
+        self._store, self._group_rank = formed.store, group_rank
+        self._refund_restart(group_world_size)
+        self._group_world_size = group_world_size
         self._attempt += 1
         group = GroupInfo(
             role=config.role,
             group_rank=group_rank,
             group_world_size=group_world_size,
             local_world_size=config.nproc_per_node,
-            master_addr=master_addr,
-            master_port=master_port,
+            master_addr=formed.master_addr,
+            master_port=formed.master_port,
             restart_count=self.restart_count,
             max_restarts=config.max_restarts,
             run_id=self._handler.get_run_id(),
-            use_agent_store=use_agent_store,
+            use_agent_store=formed.use_agent_store,
         )
+        env = {**self._base_env, **self._history.formed(group_rank, group_world_size)}
         attempt_dir = self._logdir.attempt(self._attempt, range(config.nproc_per_node))
-        launches = build_launches(
-            config, group, assignment, self._logspec, attempt_dir, self._base_env
-        )
+        launches = build_launches(config, group, formed.assignment, self._logspec, attempt_dir, env)
         log.info(
             "%s: round complete: group %d of %d, master %s:%d, global ranks %s, "
             "restart count %d, logs in %s",
             self._ctx(),
             group_rank,
             group_world_size,
-            master_addr,
-            master_port,
+            formed.master_addr,
+            formed.master_port,
             [launch.ranks.global_rank for launch in launches],
             self.restart_count,
             attempt_dir,
@@ -432,16 +448,20 @@ class Agent:
             launches, self.wake, console_out=self._console_out, console_err=self._console_err
         )
         self._group.start()
+        self._history.started(self._group.pids, self.restart_count)
         return True
 
     def _exit_barrier(self) -> None:
         store = self._store
         if store is None:
             return
-        self._blocking = True
+        size, timeout, ctx = self._group_world_size, self._config.exit_barrier_timeout, self._ctx()
+
+        def wait(phase: Phase[bool]) -> bool:
+            phase.mark("waiting", store_aborter(store))
+            return exit_barrier(store, size, timeout, ctx)
+
         try:
-            exit_barrier(
-                store, self._group_world_size, self._config.exit_barrier_timeout, self._ctx()
-            )
-        finally:
-            self._blocking = False
+            self._await(Phase("exit-barrier", wait, self.wake), barrier_changed(self._handler))
+        except MembershipChanged as exc:
+            log.warning("%s: exit barrier: %s; closing anyway", ctx, exc)

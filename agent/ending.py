@@ -13,14 +13,16 @@ from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 
-from agent.errorfile import Failure, root_cause
+from agent.errorfile import Failure, read_failure, root_cause
 from agent.ranks import Store
+from agent.workers import WorkerGroup
 
 __all__ = [
     "EXIT_BARRIER",
     "close_reason",
     "close_rendezvous",
     "closed_mode",
+    "collect_failures",
     "exit_barrier",
     "leave",
     "release_exit_barrier",
@@ -136,3 +138,25 @@ def leave(handler: RendezvousHandler, ctx: str) -> None:
         method()
     except Exception:
         log.exception("%s: could not leave the rendezvous", ctx)
+
+
+def collect_failures(group: WorkerGroup | None) -> dict[int, Failure]:
+    """global rank -> failure of every worker of ``group`` that exited non-zero, read from
+    its error file (torch's ``@record``) when it wrote one."""
+    if group is None:
+        return {}
+    launches = {w.ranks.local_rank: w for w in group.launches}
+    failures: dict[int, Failure] = {}
+    for local_rank, exited in group.exits().items():
+        if exited.returncode == 0:
+            continue
+        launch = launches[local_rank]
+        failures[launch.ranks.global_rank] = read_failure(
+            global_rank=launch.ranks.global_rank,
+            local_rank=local_rank,
+            pid=exited.pid,
+            exitcode=exited.returncode,
+            error_file=launch.logs.error_file,
+            observed_at=exited.wall_time,
+        )
+    return failures

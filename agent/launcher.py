@@ -5,25 +5,19 @@ Called by :func:`agent.cli.main` once the command line is valid.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import signal
-import threading
-from collections.abc import Callable, Iterator
-from types import FrameType
-from typing import Any
+from collections.abc import Callable
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
 from agent.agent import Agent
 from agent.config import LaunchConfig
+from agent.stopping import stop_requests
 
 __all__ = ["build_handler", "launch"]
 
 log = logging.getLogger(__name__)
-
-_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def build_handler(config: LaunchConfig) -> RendezvousHandler:
@@ -52,21 +46,6 @@ def build_handler(config: LaunchConfig) -> RendezvousHandler:
     return create_handler(params, local_world_size=config.nproc_per_node, role=config.role)
 
 
-@contextlib.contextmanager
-def _signals(handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
-    # Python allows signal handlers in the main thread only; elsewhere (tests running
-    # agents in threads) the caller stops the agent with Agent.request_stop.
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous: dict[int, Any] = {s: signal.signal(s, handler) for s in _SIGNALS}
-    try:
-        yield
-    finally:
-        for signum, old in previous.items():
-            signal.signal(signum, old)
-
-
 def launch(config: LaunchConfig) -> int:
     """Run this node of the job; returns the process exit code.
 
@@ -84,7 +63,7 @@ def launch(config: LaunchConfig) -> int:
     handler = build_handler(config)
     agent = Agent(config, handler)
     try:
-        with _signals(agent.handle_signal):
+        with stop_requests(agent.request_stop):
             return agent.run()
     finally:
         _release(handler, stopped_by_signal=agent.stop_signal is not None)

@@ -41,11 +41,10 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStoreInfo,
 )
 
-from coordinator.core.duty import CoordinatorDuty, Membership
+from coordinator.core.duty import CoordinatorDuty
 from coordinator.core.errors import (
     EtcdElasticError,
     JoinTimeoutError,
-    LeaseLostError,
     NodeLeftError,
     RunClosedError,
 )
@@ -53,10 +52,10 @@ from coordinator.core.etcd_client import EtcdClient
 from coordinator.core.executor import StateExecutor
 from coordinator.core.keys import make_node_id
 from coordinator.core.listeners import Listeners
+from coordinator.core.membership import NodeMembership
 from coordinator.core.ports import free_port
-from coordinator.core.session import Session
 from coordinator.core.settings import RendezvousSettings
-from coordinator.core.state import CloseMode, NodeInfo, RdzvState, encode_node
+from coordinator.core.state import CloseMode, NodeInfo, RdzvState
 from coordinator.core.transitions import Limits, NodeAction, decide_node
 from coordinator.core.view import StateView
 from coordinator.torch_adapter.errors import torch_errors
@@ -106,73 +105,77 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self.local_world_size = local_world_size
         self.role = role
         self._limits = Limits(settings.min_nodes, settings.max_nodes, settings.last_call_timeout)
-        self._lock = threading.RLock()
+        # A leaf lock: it guards the references below and nothing else; no RPC, callback
+        # or other lock is taken while it is held (docs/architecture.md, lock order).
+        self._lock = threading.Lock()
         self._view: StateView | None = None
         self._duty: CoordinatorDuty | None = None
-        self._session: Session | None = None
-        self._membership: Membership | None = None
+        self._member: NodeMembership | None = None
         self._listeners = Listeners()
         self._left = False
         self._started_ms = int(time.time() * 1000)
+        self.last_round = -1
+        """The round of this node's last completed rendezvous (-1: none yet)."""
+        self.last_members: tuple[str, ...] = ()
+        """That round's node ids in group-rank order."""
 
     # -- plumbing ----------------------------------------------------------------------
 
     def _etcd(self) -> EtcdClient:
-        if self._client is None:
-            self._client = EtcdClient(self._settings.etcd_config())
-        return self._client
+        with self._lock:
+            if self._client is None:
+                # Construction does no I/O (the first call connects).
+                self._client = EtcdClient(self._settings.etcd_config())
+            return self._client
 
     def _started_view(self) -> StateView:
         with self._lock:
             if self._left:
                 raise NodeLeftError(f"node {self.node_id} has left run {self._keys.run_id}")
-            if self._view is None:
-                view = StateView(self._etcd(), self._keys.state)
-                view.subscribe(self._notify)
-                view.start()
-                self._view = view
-                duty = CoordinatorDuty(
-                    self._etcd(), self._keys, view, self._limits, self._current_membership,
-                    clock=self._clock,
-                )  # fmt: skip
-                duty.start()
-                self._duty = duty
-            return self._view
-
-    def _current_membership(self) -> Membership | None:
+            if self._view is not None:
+                return self._view
+        # Start outside the lock (watch, read: RPCs); the first to publish wins.
+        client = self._etcd()
+        member = NodeMembership(
+            client, self._keys, self.node_id, self._settings.lease_ttl, self._on_session_lost
+        )
+        view = StateView(client, self._keys.state)
+        view.subscribe(self._notify)
+        view.start()
+        duty = CoordinatorDuty(
+            client, self._keys, view, self._limits, member.current, clock=self._clock
+        )
         with self._lock:
-            if self._session is None or self._session.lost():
-                return None
-            return self._membership
+            won = self._view is None and not self._left
+            if won:
+                self._view, self._duty, self._member = view, duty, member
+        if not won:
+            view.close()
+            return self._started_view()  # raises NodeLeftError, or returns the winner's
+        duty.start()
+        return view
 
     def _notify(self) -> None:
         self._listeners.notify()
 
     def _on_session_lost(self) -> None:
-        if self._view is not None:
-            self._view.wake()
-        if self._duty is not None:
-            self._duty.poke()
-        self._notify()
-
-    def _live_session(self) -> tuple[Session, bool]:
-        """This node's session, a new one if it has none or lost it; and whether it is new."""
         with self._lock:
-            old = self._session
-            if old is not None and not old.lost():
-                return old, False
-            if old is not None:
-                old.close(revoke=False)
-            self._session = Session(self._etcd(), self._settings.lease_ttl, self._on_session_lost)
-            return self._session, True
+            view, duty = self._view, self._duty
+        if view is not None:
+            view.wake()
+        if duty is not None:
+            duty.poke()
+        self._notify()
 
     def _write_node(self, wanted_round: int) -> None:
         """Write this node's key asking for ``wanted_round``, with a live lease."""
-        client = self._etcd()
-        key = self._keys.node(self.node_id)
-        for _ in range(3):
-            session, fresh = self._live_session()
-            record = NodeInfo(
+        with self._lock:
+            member, duty = self._member, self._duty
+        if member is None:
+            raise NodeLeftError(f"node {self.node_id} has left run {self._keys.run_id}")
+
+        def record(lease_id: int) -> NodeInfo:
+            return NodeInfo(
                 node_id=self.node_id,
                 wanted_round=wanted_round,
                 addr=self._addr,
@@ -180,37 +183,21 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 pid=os.getpid(),
                 local_world_size=self.local_world_size,
                 role=self.role,
-                lease_id=session.lease_id,
+                lease_id=lease_id,
                 started_at_unix_ms=self._started_ms,
                 free_port=free_port(""),
             )
-            try:
-                create_revision = client.put_created(
-                    key, encode_node(record), lease=session.lease_id
-                )
-            except LeaseLostError as exc:
-                # The lease expired between grant and put (a process starved for a TTL):
-                # drop it and ask again with a new one.
-                log.warning("node %s: %s; taking a new lease", self.node_id, exc)
-                with self._lock:
-                    if self._session is session:
-                        self._session = None
-                session.close(revoke=False)
-                continue
-            if fresh:
-                with self._lock:
-                    self._membership = Membership(self.node_id, key, create_revision)
-                if self._duty is not None:
-                    self._duty.poke()
-            return
-        raise LeaseLostError(
-            f"node {self.node_id}: three leases in a row expired before this node could use "
-            f"them (lease_ttl={self._settings.lease_ttl} s); is the machine overloaded?"
-        )
+
+        member.write(record)
+        if duty is not None:
+            duty.poke()
 
     def _session_lost(self) -> bool:
+        # Called under the view's condition (wait_newer's predicate): takes only the leaf
+        # lock, never the view's.
         with self._lock:
-            return self._session is not None and self._session.lost()
+            member = self._member
+        return member is not None and member.lost()
 
     # -- RendezvousHandler -------------------------------------------------------------
 
@@ -247,6 +234,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     self.node_id, run_id, state.round, rank, len(state.participants),
                     self._clock() - start,
                 )  # fmt: skip
+                self.last_round, self.last_members = state.round, state.participants
                 return self._info(state, rank)
             if action is NodeAction.ERROR_CLOSED:
                 reason = f" ({state.closed_reason})" if state.closed_reason else ""
@@ -362,20 +350,30 @@ class EtcdRendezvousHandler(RendezvousHandler):
             if self._left:
                 return
             self._left = True
-            duty, view, session = self._duty, self._view, self._session
-            self._duty = self._view = self._session = None
-            self._membership = None
+            duty, view, member = self._duty, self._view, self._member
+            self._duty = self._view = self._member = None
         if duty is not None:
             duty.stop()
         if view is not None:
             view.close()
-        if session is not None:
+        if member is not None:
             try:
-                session.close(revoke=True)
+                member.close(revoke=True)
             except EtcdElasticError as exc:
                 log.warning("node %s: lease not revoked (%s); it expires by TTL", self.node_id, exc)
         if self._own_client and self._client is not None:
             self._client.close()
+
+    def departed_participants(self) -> list[str]:
+        """Nodes of this node's last round whose lease ended since (from the watched view)."""
+        with self._lock:
+            view = self._view
+        if view is None or self.last_round < 0:
+            return []
+        state = view.peek()
+        if state.round != self.last_round:
+            return []
+        return [node for node in state.lost if node != self.node_id]
 
 
 def create_handler(

@@ -163,9 +163,12 @@ class Agents:
         script_args: Sequence[str] = (),
         *,
         endpoint: str | None = None,
+        script: Path = EXAMPLE,
+        env: dict[str, str] | None = None,
     ) -> AgentProc:
-        """Start ``etcdrun <etcdrun_args> --rdzv-endpoint=… --rdzv-id=… EXAMPLE <script_args>``."""
-        env = dict(os.environ)
+        """Start ``etcdrun <etcdrun_args> --rdzv-endpoint=… --rdzv-id=… SCRIPT <script_args>``
+        (the example by default), with ``env`` added to this process's environment."""
+        env = {**os.environ, **(env or {})}
         env.setdefault("PYTHONWARNINGS", "ignore:Failed to initialize NumPy:UserWarning")
         env["TMPDIR"] = str(self.tmp_path)
         argv = [
@@ -173,7 +176,7 @@ class Agents:
             *etcdrun_args,
             f"--rdzv-endpoint={endpoint or self.endpoint}",
             f"--rdzv-id={self.run_id}",
-            str(EXAMPLE),
+            str(script),
             *script_args,
         ]
         log = self.tmp_path / f"{name}.log"

@@ -245,11 +245,12 @@ def test_stop_request_returns_143_and_reaps_workers(job: Job) -> None:
 
 
 SIGNALLED_AGENT = """
-    import signal, sys
+    import sys
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
     from agent.agent import Agent
     from agent.config import LaunchConfig
+    from agent.stopping import stop_requests
 
     port, run_id, nodes, script, out = sys.argv[1:]
     handler = get_rendezvous_handler(RendezvousParameters(
@@ -259,10 +260,10 @@ SIGNALLED_AGENT = """
                           entrypoint=script, args=(out, "hang"), stop_grace_period=2.0,
                           local_addr="127.0.0.1")
     agent = Agent(config, handler)
-    signal.signal(signal.SIGTERM, agent.handle_signal)
-    signal.signal(signal.SIGINT, agent.handle_signal)
-    print("ready", flush=True)
-    sys.exit(agent.run())
+    with stop_requests(agent.request_stop):
+        print("ready", flush=True)
+        code = agent.run()
+    sys.exit(code)
 """
 
 

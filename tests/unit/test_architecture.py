@@ -22,7 +22,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "coordinator.core": ("coordinator.core", "coordinator.generated"),
     "coordinator.rdzvctl": ("coordinator.rdzvctl", "coordinator.core"),
     "coordinator.torch_adapter": ("coordinator.torch_adapter", "coordinator.core"),
-    "coordinator.etcd_server": ("coordinator.core.ports",),
+    "coordinator.etcd_server": ("coordinator.core",),
     "agent": ("agent", "coordinator.torch_adapter", "coordinator.core", "coordinator.etcd_server"),
 }
 # The core and the operator CLI run where torch may be absent (and must start fast).

@@ -1,0 +1,126 @@
+"""The agent's blocking phases and when membership ends them (DESIGN §9).
+
+Forming a round is rendezvous, then the rank exchange and the master address through
+the round's store; the job's end is the exit barrier. Each runs as a
+:class:`~agent.phase.Phase` while the loop watches membership through the handler's
+pushed events (ours; torch's handlers push none, and their phases just run to the end):
+
+* during the rank exchange and master resolution, any change (a participant lost, a
+  node waiting, this node's own lease lost) ends the wait: the nodes re-form, a
+  membership change, not a counted failure;
+* at the exit barrier, a participant that left before arriving ends the wait: this
+  node's workers succeeded, so it closes and exits 0, naming the node that left.
+
+The departure shows within one lease TTL (etcd deletes the node's key and every agent
+hears of it at once), so no wait outlives the departure of a node it waits on by more
+than the TTL plus one event.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed import DistStoreError
+from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler
+
+from agent.config import LaunchConfig
+from agent.launches import resolve_master
+from agent.phase import Phase
+from agent.ranks import Assignment, RoleInfo, Store, exchange_ranks
+
+__all__ = [
+    "EXCHANGE",
+    "Formed",
+    "MembershipChanged",
+    "RankExchangeError",
+    "barrier_changed",
+    "form_round",
+    "formation_changed",
+    "store_aborter",
+]
+
+log = logging.getLogger(__name__)
+
+EXCHANGE = "rank-exchange"
+"""The stage of a formation phase once its round completed (see :meth:`Phase.mark`)."""
+
+
+class MembershipChanged(Exception):
+    """The nodes a phase waited on changed; the message says how."""
+
+
+class RankExchangeError(RendezvousError):
+    """The round formed but its ranks or master address could not be agreed (the store
+    timed out with every node still alive, or holds a value no agent writes)."""
+
+
+@dataclass(frozen=True)
+class Formed:
+    """A completed round, as this node takes part in it."""
+
+    info: Any  # torch's RendezvousInfo (store, rank, world_size, bootstrap_store_info)
+    assignment: Assignment
+    master_addr: str
+    master_port: int
+    use_agent_store: bool
+
+    @property
+    def store(self) -> Store:
+        store: Store = self.info.store
+        return store
+
+
+def store_aborter(store: Store) -> Callable[[], None] | None:
+    """How to end every wait on ``store`` at once, if it can (ours: ``abort``)."""
+    abort: Callable[[str], None] | None = getattr(store, "abort", None)
+    if abort is None:
+        return None
+    return lambda: abort("the membership changed: this node no longer waits on this round")
+
+
+def form_round(handler: RendezvousHandler, config: LaunchConfig, phase: Phase[Formed]) -> Formed:
+    """Rendezvous, then agree on ranks and the master address (a phase body)."""
+    info = handler.next_rendezvous()
+    store: Store = info.store
+    phase.mark(EXCHANGE, store_aborter(store))
+    try:
+        assignment = exchange_ranks(
+            store, RoleInfo(config.role, info.rank, config.nproc_per_node), info.world_size
+        )
+        master_addr, master_port = resolve_master(config, info, store, info.rank)
+    except (DistStoreError, ValueError) as exc:
+        text = " ".join(str(exc).split())
+        raise RankExchangeError(f"round formed, but the rank exchange failed: {text}") from exc
+    return Formed(info, assignment, master_addr, master_port, bool(handler.use_agent_store))
+
+
+def formation_changed(handler: RendezvousHandler) -> Callable[[Phase[Formed]], str | None]:
+    """While ranks are exchanged, any membership change ends the phase."""
+
+    def changed(phase: Phase[Formed]) -> str | None:
+        if phase.stage != EXCHANGE:
+            return None  # still joining: nodes waiting to join is what a rendezvous is
+        waiting = handler.num_nodes_waiting()
+        return f"the membership changed ({waiting} waiting or lost)" if waiting else None
+
+    return changed
+
+
+def barrier_changed(handler: RendezvousHandler) -> Callable[[Phase[bool]], str | None]:
+    """At the exit barrier, a participant that left (and did not close the run) ends it."""
+    departed: Callable[[], list[str]] | None = getattr(handler, "departed_participants", None)
+
+    def changed(_phase: Phase[bool]) -> str | None:
+        if departed is None:
+            return None
+        gone = departed()
+        # A node that passed the barrier closes the run before it leaves: then the barrier
+        # is complete and its own result is on its way.
+        if not gone or handler.is_closed():
+            return None
+        return f"{', '.join(gone)} left before arriving"
+
+    return changed

@@ -1,0 +1,137 @@
+"""This node's place in a run: its node key and the lease (session) it hangs on.
+
+The handler asks for a round with :meth:`NodeMembership.write`; the coordinator duty
+reads :meth:`NodeMembership.current` (the key's create revision is both its seniority in
+the election and the fence of its commits). A lost lease (etcd said so) is replaced on
+the next write, and the new key has a new create revision, so a node that lost its lease
+can never commit as the leader it was before.
+
+Locking: ``_lock`` guards only the two references below and is a leaf lock: no RPC, no
+callback and no other lock is ever taken while it is held (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from coordinator.core.duty import Membership
+from coordinator.core.errors import LeaseLostError
+from coordinator.core.etcd_client import EtcdClient
+from coordinator.core.keys import RunKeys
+from coordinator.core.session import Session
+from coordinator.core.state import NodeInfo, encode_node
+
+__all__ = ["Membership", "NodeMembership"]
+
+log = logging.getLogger(__name__)
+
+_LEASE_TRIES = 3
+
+
+class NodeMembership:
+    """One node's key and lease in one run.
+
+    Args:
+        client: etcd client.
+        keys: the run's keys.
+        node_id: this node.
+        lease_ttl: seconds.
+        on_lost: called (from a background thread, must not block) when the lease is lost.
+        make_session: builds a session (tests and the handler pass extra callbacks).
+    """
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        keys: RunKeys,
+        node_id: str,
+        lease_ttl: int,
+        on_lost: Callable[[], None],
+        make_session: Callable[[], Session] | None = None,
+    ) -> None:
+        self._client = client
+        self._keys = keys
+        self.node_id = node_id
+        self._ttl = lease_ttl
+        self._on_lost = on_lost
+        self._make_session = make_session or (lambda: Session(client, lease_ttl, on_lost))
+        self._lock = threading.Lock()
+        self._session: Session | None = None
+        self._membership: Membership | None = None
+
+    def current(self) -> Membership | None:
+        """This node's key while its lease lives, else None."""
+        with self._lock:
+            session, membership = self._session, self._membership
+        if session is None or session.lost():
+            return None
+        return membership
+
+    def lost(self) -> bool:
+        """Whether this node had a lease and etcd said it is gone."""
+        with self._lock:
+            session = self._session
+        return session is not None and session.lost()
+
+    @property
+    def session(self) -> Session | None:
+        with self._lock:
+            return self._session
+
+    def _live_session(self) -> tuple[Session, bool]:
+        """The current session, or a new one if there is none or it was lost."""
+        with self._lock:
+            old = self._session
+        if old is not None and not old.lost():
+            return old, False
+        if old is not None:
+            old.close(revoke=False)
+        new = self._make_session()  # a lease grant: outside the lock
+        with self._lock:
+            self._session, self._membership = new, None
+        return new, True
+
+    def _drop(self, session: Session) -> None:
+        with self._lock:
+            if self._session is session:
+                self._session, self._membership = None, None
+        session.close(revoke=False)
+
+    def write(self, record: Callable[[int], NodeInfo]) -> Membership:
+        """Write this node's key (``record(lease_id)``) on a live lease; return the key.
+
+        Raises:
+            LeaseLostError: three leases in a row expired before they could be used.
+            EtcdConnectionError: etcd did not answer.
+        """
+        key = self._keys.node(self.node_id)
+        for _ in range(_LEASE_TRIES):
+            session, fresh = self._live_session()
+            try:
+                create_revision = self._client.put_created(
+                    key, encode_node(record(session.lease_id)), lease=session.lease_id
+                )
+            except LeaseLostError as exc:
+                # The lease expired between grant and put (a process starved for a TTL):
+                # drop it and ask again with a new one.
+                log.warning("node %s: %s; taking a new lease", self.node_id, exc)
+                self._drop(session)
+                continue
+            with self._lock:
+                if fresh or self._membership is None:
+                    self._membership = Membership(self.node_id, key, create_revision)
+                membership = self._membership
+            return membership
+        raise LeaseLostError(
+            f"node {self.node_id}: {_LEASE_TRIES} leases in a row expired before this node "
+            f"could use them (lease_ttl={self._ttl} s); is the machine overloaded?"
+        )
+
+    def close(self, revoke: bool) -> None:
+        """Give up the session (revoking the lease deletes the key now). Idempotent."""
+        with self._lock:
+            session, self._session, self._membership = self._session, None, None
+        if session is not None:
+            session.close(revoke=revoke)

@@ -1,0 +1,159 @@
+"""Every wait of the agent is bounded by membership (issue 8 item 2, DESIGN §9).
+
+A real agent (our loop, our handler, real worker processes) meets a second node that
+dies at the worst moment: right after the round completed, before the rank exchange, and
+at the exit barrier. The second node is a real handler on real etcd whose lease then
+simply stops being kept alive (as a SIGKILLed or frozen process's would), so etcd
+expires it after one TTL. The agent must stop waiting within TTL + 1 s of that expiry
+(bounds here are generous for a loaded 2-core machine, and the measured time is printed),
+re-form without counting a restart, or, at the exit barrier, exit 0 naming the node.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousInfo
+
+from agent.agent import Agent
+from agent.config import LaunchConfig
+from agent.launches import resolve_master
+from agent.ranks import RoleInfo, exchange_ranks
+from coordinator.etcd_server import EtcdCluster
+from coordinator.torch_adapter.handler import EtcdRendezvousHandler
+from tests.rdzv_helpers import make_handler, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+TTL = 2
+# Expiry happens up to one TTL after the last keep-alive; etcd's lease checker and our
+# watch add a little; the rest is slack for a loaded machine. The measured time is printed.
+BOUND_S = 2 * TTL + 1 + 6
+
+
+def _lose_lease(handler: EtcdRendezvousHandler) -> float:
+    """Stop keeping ``handler``'s lease alive without revoking it (a node that died)."""
+    member = handler._member
+    assert member is not None
+    member.close(revoke=False)
+    return time.monotonic()
+
+
+class Node:
+    """One real agent (a thread of this process) with our handler."""
+
+    def __init__(self, cluster: EtcdCluster, run_id: str, tmp_path: Path, script: str) -> None:
+        self.handler = make_handler(
+            cluster, run_id, 1, 2, lease_ttl=TTL, last_call_timeout=30, timeout=60
+        )
+        path = tmp_path / "worker.py"
+        path.write_text(textwrap.dedent(script))
+        config = LaunchConfig(
+            min_nodes=1, max_nodes=2, nproc_per_node=1, entrypoint=str(path),
+            args=(str(tmp_path),), rdzv_backend="etcd-v3", rdzv_id=run_id, max_restarts=0,
+            log_dir=str(tmp_path / "logs"), local_addr="127.0.0.1", exit_barrier_timeout=120,
+            stop_grace_period=2.0, monitor_interval=0.5,
+        )  # fmt: skip
+        self.console = io.StringIO()
+        self.agent = Agent(config, self.handler, console_err=self.console)
+        self.code: int | None = None
+        self.thread = threading.Thread(target=self._run, name="agent-under-test", daemon=True)
+
+    def _run(self) -> None:
+        self.code = self.agent.run()
+
+    def stop(self) -> None:
+        self.agent.request_stop(15)
+        self.thread.join(timeout=60)
+        self.handler.leave()
+
+
+@pytest.fixture
+def nodes() -> Iterator[list[EtcdRendezvousHandler | Node]]:
+    made: list[EtcdRendezvousHandler | Node] = []
+    yield made
+    for node in made:
+        if isinstance(node, Node):
+            node.stop()
+        else:
+            node.leave()
+
+
+def _joined(ghost: EtcdRendezvousHandler) -> Callable[[], RendezvousInfo]:
+    box: list[RendezvousInfo] = []
+    thread = threading.Thread(target=lambda: box.append(ghost.next_rendezvous()), daemon=True)
+    thread.start()
+
+    def info() -> RendezvousInfo:
+        thread.join(timeout=60)
+        assert box, "the second node did not complete the rendezvous"
+        return box[0]
+
+    return info
+
+
+SLEEPER = """
+    import sys, time
+    time.sleep(600)
+"""
+
+
+def test_a_node_lost_before_the_rank_exchange_ends_the_wait(
+    etcd1: EtcdCluster, run_id: str, tmp_path: Path, nodes: list[EtcdRendezvousHandler | Node]
+) -> None:
+    ghost = make_handler(etcd1, run_id, 1, 2, lease_ttl=TTL, last_call_timeout=30, timeout=60)
+    nodes.append(ghost)
+    ghost_info = _joined(ghost)
+    node = Node(etcd1, run_id, tmp_path, SLEEPER)
+    nodes.append(node)
+    node.thread.start()
+    ghost_info()  # the round formed with both; the ghost never writes its role info
+    time.sleep(1.0)  # the agent is now blocked in the rank exchange, waiting on the ghost
+    assert node.agent.attempt == -1, "the agent started workers without the second node"
+    died = _lose_lease(ghost)
+    took = wait_until(lambda: node.agent.attempt == 0, BOUND_S + 30, "the agent's workers")
+    since = time.monotonic() - died
+    print(f"re-formed and started workers {since:.2f} s after the lease stopped ({took:.2f})")
+    assert since < BOUND_S
+    assert node.agent.worker_group is not None
+    assert node.agent.restart_count == 0  # a membership change, not a counted failure
+    assert node.handler.last_members == (node.handler.node_id,)
+
+
+FINISHER = """
+    import sys
+    sys.exit(0)
+"""
+
+
+def test_a_node_lost_before_the_exit_barrier_ends_the_wait(
+    etcd1: EtcdCluster, run_id: str, tmp_path: Path, nodes: list[EtcdRendezvousHandler | Node]
+) -> None:
+    ghost = make_handler(etcd1, run_id, 1, 2, lease_ttl=TTL, last_call_timeout=30, timeout=60)
+    nodes.append(ghost)
+    ghost_info = _joined(ghost)
+    node = Node(etcd1, run_id, tmp_path, FINISHER)
+    nodes.append(node)
+    node.thread.start()
+    info = ghost_info()
+    # The ghost does its part of the rank exchange (as its agent would), then never
+    # reaches the exit barrier: it dies while the agent's workers finish.
+    config = LaunchConfig(min_nodes=1, max_nodes=2, nproc_per_node=1, entrypoint=sys.executable)
+    exchange_ranks(info.store, RoleInfo("default", info.rank, 1), info.world_size)
+    resolve_master(config, info, info.store, info.rank)
+    wait_until(lambda: node.agent.attempt == 0, 60, "the agent's workers")
+    time.sleep(1.0)  # its worker exits 0 at once: the agent now waits at the exit barrier
+    assert node.thread.is_alive(), "the agent did not wait for the second node"
+    died = _lose_lease(ghost)
+    node.thread.join(timeout=BOUND_S + 30)
+    since = time.monotonic() - died
+    print(f"the agent left the exit barrier {since:.2f} s after the lease stopped")
+    assert node.code == 0
+    assert since < BOUND_S
