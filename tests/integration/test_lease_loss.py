@@ -12,8 +12,10 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -133,6 +135,43 @@ def test_the_whole_cluster_down_for_3_ttl_and_restarted_keeps_the_lease_key_and_
         assert client.get(key)[0] is None
 
 
+def test_default_reporting_is_one_warning_and_one_line_per_outage(
+    prefix: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without callbacks the keep-alive logs the outage itself: one warning naming the
+    endpoints when the lease's guarantee runs out, one line when etcd answers again."""
+    ttl = 2
+    caplog.set_level(logging.INFO, logger="coordinator.core.etcd_client")
+    with EtcdCluster(1, no_fsync=True) as cluster, _client(cluster.endpoints) as client:
+        lease = client.lease_grant(ttl)
+        client.put(prefix + b"node", b"x", lease=lease)
+        keepalive = client.keep_alive(lease, ttl)
+        _eventually(lambda: keepalive.endpoint is not None)
+        cluster.kill(0)
+        _eventually(lambda: keepalive.state is LeaseState.UNREACHABLE, timeout=ttl + 5)
+        time.sleep(ttl)  # a longer outage: still one warning
+        cluster.restart(0)
+        _eventually(lambda: keepalive.state is LeaseState.ALIVE, timeout=ttl + 10)
+        assert not keepalive.lost() and client.get(prefix + b"node")[0] is not None
+        keepalive.close()
+    records = [(r.levelname, r.getMessage()) for r in caplog.records]
+    warnings = [m for level, m in records if level == "WARNING"]
+    assert len(warnings) == 1, records
+    assert warnings[0].startswith(
+        f"etcd unreachable: no member answered the keep-alive of lease {lease:x} for "
+    )
+    assert (
+        f"(tried {cluster.endpoints[0]}; last error from {cluster.endpoints[0]}: " in (warnings[0])
+    )
+    back = [m for level, m in records if level == "INFO" and m.startswith("etcd answers again")]
+    assert len(back) == 1, records
+    assert re.fullmatch(
+        rf"etcd answers again \({re.escape(cluster.endpoints[0])}\) after \d+\.\d s of "
+        rf"silence: lease {lease:x} is alive",
+        back[0],
+    ), back
+
+
 def test_etcd_gone_for_good_is_unreachable_never_lost_and_close_is_bounded(
     prefix: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -173,7 +212,7 @@ def _etcdctl(endpoint: str, *args: str) -> None:
 
 
 def test_a_lease_revoked_by_another_client_is_lost_within_a_third_of_its_ttl(
-    etcd1: EtcdCluster, prefix: bytes
+    etcd1: EtcdCluster, prefix: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
     ttl = 3
     seen = LeaseEvents()
@@ -196,6 +235,8 @@ def test_a_lease_revoked_by_another_client_is_lost_within_a_third_of_its_ttl(
         keepalive.close()
         assert len(seen.lost) == 1
         print(f"\nrevoked elsewhere: lost after {took:.2f} s (ttl {ttl} s)")
+    lost_lines = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert lost_lines == [f"etcd lease {lease:x} lost: etcd says it expired or was revoked"]
 
 
 def _read_lines(stream: Any, lines: queue.Queue[dict[str, Any]]) -> None:

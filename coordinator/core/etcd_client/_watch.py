@@ -163,7 +163,8 @@ class Watch:
             EtcdConnectionError: etcd did not confirm the watch in time, or the watch
                 thread died.
             EtcdAuthError: etcd refused the watch (the user may not read the key).
-            Exception: whatever a callback of this watch raised before it was created.
+            Exception: the exception one of this watch's callbacks raised, which
+                ended the watch.
         """
         state = self._state
         wait = self._watcher.retry_budget() if timeout is None else timeout
