@@ -70,7 +70,7 @@ class Session:
         self._on_lost = on_lost
         self._closed = threading.Event()
         # Read before the grant is sent: the lease surely lives ttl from then.
-        granted_at = client._clock()
+        granted_at = client.clock()
         self.lease_id = client.lease_grant(ttl)
         self._keepalive: KeepAlive = client.keep_alive(
             self.lease_id, ttl, self._lost_cb,

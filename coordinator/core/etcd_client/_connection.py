@@ -156,6 +156,11 @@ class _Connection:
         return self._config
 
     @property
+    def clock(self) -> Callable[[], float]:
+        """The monotonic clock this client times its retries and leases by."""
+        return self._clock
+
+    @property
     def current_endpoint(self) -> str:
         """The endpoint new calls and streams go to first (changes on failover)."""
         return self._config.endpoints[self._ring.current()]
