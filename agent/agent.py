@@ -7,13 +7,12 @@ stop is requested; ``monitor_interval`` only bounds the wait. Each wake-up is tu
 a step by the pure :func:`agent.policy.next_step`.
 
 Where it departs from torch's agent: a node that gives up closes the run with its root
-cause as the reason (mode ``failed``), before stopping its workers, and a node whose run
-is closed that way stops its workers at once and prints the reason in one line (an
-operator's ``drain`` close lets the attempt finish); a node stopped by a
-signal leaves the rendezvous before stopping its workers; a rendezvous error (closed,
-etcd unreachable, join timeout) ends the agent with one ``etcdrun: error:`` line and
-never closes the run; a counted restart is given back when the next round has fewer
-nodes (:func:`agent.policy.restart_refunded`).
+cause as the reason (mode ``failed``) before stopping its workers, and a node whose run
+is closed that way stops its workers at once and prints the reason in one line (a
+``drain`` close lets the attempt finish); a node stopped by a signal leaves the
+rendezvous before stopping its workers; a rendezvous error ends the agent with one
+``etcdrun: error:`` line and never closes the run; a counted restart is given back when
+the next round has fewer nodes (:func:`agent.policy.restart_refunded`).
 
 The loop never blocks inside library code: rendezvous, rank exchange and the exit
 barrier run as phases (:mod:`agent.rounds`) while the loop waits on its event, so a stop
@@ -30,7 +29,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Mapping
-from typing import TextIO, TypeVar
+from typing import TextIO
 
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler
 
@@ -40,27 +39,19 @@ from agent.ending import (
     close_rendezvous,
     closed_mode,
     collect_failures,
-    exit_barrier,
+    give_up_report,
     leave,
     release_exit_barrier,
 )
-from agent.errorfile import Failure, format_report, root_cause
+from agent.errorfile import Failure, root_cause
 from agent.launches import build_launches
 from agent.logs import LogSpec, RunLogDir
-from agent.phase import Phase
-from agent.policy import Step, WorkerState, next_step, restart_refunded
+from agent.phase import MembershipChanged, Phase, PhaseWaiter
+from agent.policy import RestartBudget, Step, WorkerState, next_step, stop_for_closed_run
 from agent.ranks import Store
 from agent.recording import RoundRecorder
-from agent.rounds import (
-    Formed,
-    MembershipChanged,
-    barrier_changed,
-    form_round,
-    formation_changed,
-    store_aborter,
-)
+from agent.rounds import Formed, barrier_changed, barrier_phase, form_round, formation_changed
 from agent.workers import (
-    GroupInfo,
     WorkerGroup,
     WorkerStartError,
     omp_num_threads,
@@ -74,9 +65,6 @@ log = logging.getLogger(__name__)
 def signal_exit_code(signum: int) -> int:
     """The shell convention for "ended by signal N": 128 + N (143 for SIGTERM)."""
     return 128 + signum
-
-
-T = TypeVar("T")
 
 
 class Agent:
@@ -105,12 +93,10 @@ class Agent:
         self._console_out = console_out
         self._console_err = console_err
         self._wake = threading.Event()
+        self._phases = PhaseWaiter(self._wake, lambda: self._stop_signal is not None)
         self._push_events = False
         self._stop_signal: int | None = None
-        self._restarts_left = config.max_restarts
-        # Group size of the round whose worker failure was just counted, until the next
-        # round forms and shows whether a node went away (see restart_refunded).
-        self._charged_group_size: int | None = None
+        self._budget = RestartBudget(config.max_restarts)
         self._attempt = -1
         self._group_rank = -1
         self._group_world_size = 0
@@ -140,7 +126,7 @@ class Agent:
     @property
     def restart_count(self) -> int:
         """Counted restarts used so far."""
-        return self._config.max_restarts - self._restarts_left
+        return self._budget.used
 
     @property
     def attempt(self) -> int:
@@ -247,7 +233,7 @@ class Agent:
                 self._stop_for_closed_run(state)
             else:
                 changed = state is WorkerState.HEALTHY and self._handler.num_nodes_waiting() > 0
-                step = next_step(state, self._restarts_left, changed)
+                step = next_step(state, self._budget.left, changed)
                 if step is Step.CONTINUE:
                     continue
                 if step is Step.SUCCEED:
@@ -287,8 +273,7 @@ class Agent:
         """Count (or not) the restart ``step`` asks for, say why, and stop the workers."""
         if step is Step.RESTART_COUNTED:
             self._failures = collect_failures(self._group) or self._failures
-            self._restarts_left -= 1
-            self._charged_group_size = self._group_world_size
+            self._budget.charge(self._group_world_size)
             first = root_cause(self._failures) if self._failures else None
             log.warning(
                 "%s: worker group %s (root cause: rank %s: %s); restarting, %d of %d restarts left",
@@ -296,44 +281,20 @@ class Agent:
                 state.value,
                 first and first.global_rank,
                 first and first.message,
-                self._restarts_left,
+                self._budget.left,
                 self._config.max_restarts,
             )
         else:
             log.info("%s: membership changed; restarting (not counted)", self._ctx())
         self._stop_group(reason="failure" if step is Step.RESTART_COUNTED else "membership")
 
-    def _refund_restart(self, group_world_size: int) -> None:
-        charged, self._charged_group_size = self._charged_group_size, None
-        if charged is None or not restart_refunded(charged, group_world_size):
-            return
-        self._restarts_left += 1
-        log.info(
-            "%s: the group shrank from %d to %d nodes: the worker failure followed a node's "
-            "departure, so that restart is not counted (%d of %d restarts left)",
-            self._ctx(),
-            charged,
-            group_world_size,
-            self._restarts_left,
-            self._config.max_restarts,
-        )
-
     def _must_stop_for_closed_run(self, state: WorkerState) -> bool:
-        """Whether another node (or an operator) closed the run in a way that ends
-        this attempt now.
-
-        Closed as ``failed`` (a node gave up): running workers can only wait for peers
-        that are gone, up to a collective's timeout, so they are stopped. Closed as
-        ``finished`` or ``drain`` (an operator's close): the attempt runs to its end and
-        a success still exits 0. Failed workers meet any closed run: no restart is left
-        to make. Only a handler that pushes events (ours) is asked: it answers from
-        memory, where torch's c10d handler would make a store round trip every tick.
-        """
+        # Only a handler that pushes events (ours) is asked: it answers from memory,
+        # where torch's c10d handler would make a store round trip every tick.
         if not self._push_events or state not in (WorkerState.HEALTHY, WorkerState.FAILED):
             return False
-        if not self._handler.is_closed():
-            return False
-        return state is WorkerState.FAILED or closed_mode(self._handler) == "failed"
+        closed = self._handler.is_closed()
+        return stop_for_closed_run(state, closed, closed_mode(self._handler) if closed else "")
 
     def _give_up(self, reason: str | None, *, close: bool = True) -> int:
         who = f"node {self._group_rank} ({self._hostname})"
@@ -346,10 +307,7 @@ class Agent:
             # Nodes of the last round already at its exit barrier stop waiting for us.
             release_exit_barrier(self._store, who, self._ctx())
         self._stop_group(reason="failure")
-        parts = [reason] if reason else []
-        if self._failures:
-            parts.append(format_report(self._name(), self._failures, self._hostname))
-        self._report = "\n".join(parts) or f"{self._name()} FAILED: worker group state unknown"
+        self._report = give_up_report(reason, self._failures, self._name(), self._hostname)
         # The report goes to stderr once, below; logging it too would print it twice.
         log.error("%s: giving up", self._ctx())
         err = self._console_err or sys.stderr
@@ -366,27 +324,6 @@ class Agent:
             group.stop(self._config.stop_grace_period, sig)
             self._history.stopped(reason)
 
-    def _await(self, phase: Phase[T], changed: Callable[[Phase[T]], str | None]) -> T | None:
-        """Wait for ``phase``: its result; None on a stop request.
-
-        Raises:
-            MembershipChanged: ``changed`` saw a change the phase must not outlive.
-            whatever the phase raised.
-        """
-        phase.start()
-        while True:
-            if self._stop_signal is not None:
-                phase.abandon()
-                return None
-            if phase.done:
-                return phase.result()
-            why = changed(phase) if self._push_events else None
-            if why is not None:
-                phase.abandon()
-                raise MembershipChanged(why)
-            self._wake.wait()
-            self._wake.clear()
-
     def _form(self) -> Formed | None:
         """Rendezvous until a round forms whose ranks this node agreed; None if stopped."""
         while True:
@@ -394,8 +331,9 @@ class Agent:
             phase: Phase[Formed] = Phase(
                 "rendezvous", lambda p: form_round(self._handler, self._config, p), self.wake
             )
+            changed = formation_changed(self._handler) if self._push_events else None
             try:
-                return self._await(phase, formation_changed(self._handler))
+                return self._phases.run(phase, changed)
             except MembershipChanged as exc:
                 log.info(
                     "%s: %s during the rank exchange; joining the next round (not counted)",
@@ -413,21 +351,15 @@ class Agent:
             return False
         group_rank, group_world_size = formed.info.rank, formed.info.world_size
         self._store, self._group_rank = formed.store, group_rank
-        self._refund_restart(group_world_size)
+        if self._budget.settle(group_world_size):
+            log.info(
+                "%s: the group shrank to %d nodes: the worker failure followed a node's "
+                "departure, so that restart is not counted (%d of %d restarts left)",
+                self._ctx(), group_world_size, self._budget.left, config.max_restarts,
+            )  # fmt: skip
         self._group_world_size = group_world_size
         self._attempt += 1
-        group = GroupInfo(
-            role=config.role,
-            group_rank=group_rank,
-            group_world_size=group_world_size,
-            local_world_size=config.nproc_per_node,
-            master_addr=formed.master_addr,
-            master_port=formed.master_port,
-            restart_count=self.restart_count,
-            max_restarts=config.max_restarts,
-            run_id=self._handler.get_run_id(),
-            use_agent_store=formed.use_agent_store,
-        )
+        group = formed.group_info(config, self.restart_count, self._handler.get_run_id())
         env = {**self._base_env, **self._history.formed(group_rank, group_world_size)}
         attempt_dir = self._logdir.attempt(self._attempt, range(config.nproc_per_node))
         launches = build_launches(config, group, formed.assignment, self._logspec, attempt_dir, env)
@@ -455,13 +387,11 @@ class Agent:
         store = self._store
         if store is None:
             return
-        size, timeout, ctx = self._group_world_size, self._config.exit_barrier_timeout, self._ctx()
-
-        def wait(phase: Phase[bool]) -> bool:
-            phase.mark("waiting", store_aborter(store))
-            return exit_barrier(store, size, timeout, ctx)
-
+        ctx = self._ctx()
+        phase = barrier_phase(
+            store, self._group_world_size, self._config.exit_barrier_timeout, ctx, self.wake
+        )
         try:
-            self._await(Phase("exit-barrier", wait, self.wake), barrier_changed(self._handler))
+            self._phases.run(phase, barrier_changed(self._handler) if self._push_events else None)
         except MembershipChanged as exc:
             log.warning("%s: exit barrier: %s; closing anyway", ctx, exc)

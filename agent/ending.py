@@ -13,7 +13,7 @@ from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 
-from agent.errorfile import Failure, read_failure, root_cause
+from agent.errorfile import Failure, format_report, read_failure, root_cause
 from agent.ranks import Store
 from agent.workers import WorkerGroup
 
@@ -24,6 +24,7 @@ __all__ = [
     "closed_mode",
     "collect_failures",
     "exit_barrier",
+    "give_up_report",
     "leave",
     "release_exit_barrier",
 ]
@@ -160,3 +161,14 @@ def collect_failures(group: WorkerGroup | None) -> dict[int, Failure]:
             observed_at=exited.wall_time,
         )
     return failures
+
+
+def give_up_report(
+    reason: str | None, failures: Mapping[int, Failure], entrypoint: str, hostname: str
+) -> str:
+    """What a node that gives up prints once to stderr: the reason line, then torch's
+    root-cause report of the failed workers."""
+    parts = [reason] if reason else []
+    if failures:
+        parts.append(format_report(entrypoint, dict(failures), hostname))
+    return "\n".join(parts) or f"{entrypoint} FAILED: worker group state unknown"

@@ -17,11 +17,15 @@ import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-__all__ = ["Phase"]
+__all__ = ["MembershipChanged", "Phase", "PhaseWaiter"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class MembershipChanged(Exception):
+    """The nodes a phase waited on changed; the message says how."""
 
 
 class Phase(Generic[T]):
@@ -93,3 +97,40 @@ class Phase(Generic[T]):
                 on_abandon()
             except Exception:
                 log.exception("could not end abandoned phase %s", self._name)
+
+
+class PhaseWaiter:
+    """The agent loop's side of a phase: wait on the loop's one event for the phase's
+    end, a stop request, or a membership change the phase must not outlive.
+
+    Args:
+        wake: the loop's event (set by phases, stop requests, rendezvous events).
+        stop_requested: whether a stop was asked for.
+    """
+
+    def __init__(self, wake: threading.Event, stop_requested: Callable[[], bool]) -> None:
+        self._wake = wake
+        self._stop_requested = stop_requested
+
+    def run(self, phase: Phase[T], changed: Callable[[Phase[T]], str | None] | None) -> T | None:
+        """Start ``phase`` and wait: its result, or None on a stop request.
+
+        Raises:
+            MembershipChanged: ``changed`` saw a change (the phase is abandoned).
+            whatever the phase raised.
+        """
+        phase.start()
+        while True:
+            if self._stop_requested():
+                phase.abandon()
+                return None
+            if phase.done:
+                return phase.result()
+            why = changed(phase) if changed is not None else None
+            if why is not None:
+                phase.abandon()
+                raise MembershipChanged(why)
+            # An event between the checks above and this wait leaves the flag set, so the
+            # wait returns at once: no wake-up is lost.
+            self._wake.wait()
+            self._wake.clear()

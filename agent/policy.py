@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["Step", "WorkerState", "next_step", "restart_refunded"]
+__all__ = [
+    "RestartBudget",
+    "Step",
+    "WorkerState",
+    "next_step",
+    "restart_refunded",
+    "stop_for_closed_run",
+]
 
 
 class WorkerState(str, Enum):
@@ -131,3 +138,47 @@ def restart_refunded(failed_group_size: int, next_group_size: int) -> bool:
     if failed_group_size < 1 or next_group_size < 1:
         raise ValueError(f"group sizes must be >= 1, got {failed_group_size} and {next_group_size}")
     return next_group_size < failed_group_size
+
+
+def stop_for_closed_run(group_state: WorkerState, closed: bool, close_mode: str) -> bool:
+    """Whether a run that another node (or an operator) closed ends this attempt now.
+
+    Closed as ``failed`` (a node gave up): running workers can only wait for peers that
+    are gone, up to a collective's timeout, so they are stopped. Closed as ``finished``
+    or ``drain`` (an operator's close): the attempt runs to its end and a success still
+    exits 0. Failed workers meet any closed run: no restart is left to make.
+    """
+    if not closed or group_state not in (WorkerState.HEALTHY, WorkerState.FAILED):
+        return False
+    return group_state is WorkerState.FAILED or close_mode == "failed"
+
+
+class RestartBudget:
+    """The counted restarts a node has left, and the one it may get back.
+
+    A restart is charged when a worker fails; when the next round turns out smaller, the
+    failure followed a node's departure and the charge is refunded (see
+    :func:`restart_refunded`).
+    """
+
+    def __init__(self, max_restarts: int) -> None:
+        self.max_restarts = max_restarts
+        self.left = max_restarts
+        self._charged_group_size: int | None = None
+
+    @property
+    def used(self) -> int:
+        return self.max_restarts - self.left
+
+    def charge(self, group_size: int) -> None:
+        """A worker of a group of ``group_size`` nodes failed: one restart is used."""
+        self.left -= 1
+        self._charged_group_size = group_size
+
+    def settle(self, next_group_size: int) -> bool:
+        """The next round formed with ``next_group_size`` nodes; True if refunded."""
+        charged, self._charged_group_size = self._charged_group_size, None
+        if charged is None or not restart_refunded(charged, next_group_size):
+            return False
+        self.left += 1
+        return True

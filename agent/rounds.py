@@ -27,9 +27,11 @@ from torch.distributed import DistStoreError
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler
 
 from agent.config import LaunchConfig
+from agent.ending import exit_barrier
 from agent.launches import resolve_master
-from agent.phase import Phase
+from agent.phase import MembershipChanged, Phase
 from agent.ranks import Assignment, RoleInfo, Store, exchange_ranks
+from agent.workers import GroupInfo
 
 __all__ = [
     "EXCHANGE",
@@ -37,6 +39,7 @@ __all__ = [
     "MembershipChanged",
     "RankExchangeError",
     "barrier_changed",
+    "barrier_phase",
     "form_round",
     "formation_changed",
     "store_aborter",
@@ -46,10 +49,6 @@ log = logging.getLogger(__name__)
 
 EXCHANGE = "rank-exchange"
 """The stage of a formation phase once its round completed (see :meth:`Phase.mark`)."""
-
-
-class MembershipChanged(Exception):
-    """The nodes a phase waited on changed; the message says how."""
 
 
 class RankExchangeError(RendezvousError):
@@ -71,6 +70,21 @@ class Formed:
     def store(self) -> Store:
         store: Store = self.info.store
         return store
+
+    def group_info(self, config: LaunchConfig, restart_count: int, run_id: str) -> GroupInfo:
+        """What this node's workers are told about the round (torchrun's variables)."""
+        return GroupInfo(
+            role=config.role,
+            group_rank=self.info.rank,
+            group_world_size=self.info.world_size,
+            local_world_size=config.nproc_per_node,
+            master_addr=self.master_addr,
+            master_port=self.master_port,
+            restart_count=restart_count,
+            max_restarts=config.max_restarts,
+            run_id=run_id,
+            use_agent_store=self.use_agent_store,
+        )
 
 
 def store_aborter(store: Store) -> Callable[[], None] | None:
@@ -107,6 +121,18 @@ def formation_changed(handler: RendezvousHandler) -> Callable[[Phase[Formed]], s
         return f"the membership changed ({waiting} waiting or lost)" if waiting else None
 
     return changed
+
+
+def barrier_phase(
+    store: Store, group_world_size: int, timeout: float, ctx: str, on_change: Callable[[], None]
+) -> Phase[bool]:
+    """The exit barrier as a phase that an abandon ends through the store (if it can)."""
+
+    def wait(phase: Phase[bool]) -> bool:
+        phase.mark("waiting", store_aborter(store))
+        return exit_barrier(store, group_world_size, timeout, ctx)
+
+    return Phase("exit-barrier", wait, on_change)
 
 
 def barrier_changed(handler: RendezvousHandler) -> Callable[[Phase[bool]], str | None]:

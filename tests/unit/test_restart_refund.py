@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.policy import restart_refunded
+from agent.policy import RestartBudget, WorkerState, restart_refunded, stop_for_closed_run
 
 
 @pytest.mark.parametrize(
@@ -26,3 +26,37 @@ def test_refund_when_the_group_shrank(failed: int, after: int, refunded: bool) -
 def test_sizes_below_one_are_refused(failed: int, after: int) -> None:
     with pytest.raises(ValueError, match=f"group sizes must be >= 1, got {failed} and {after}"):
         restart_refunded(failed, after)
+
+
+def test_budget_charges_and_refunds_once() -> None:
+    budget = RestartBudget(2)
+    assert (budget.left, budget.used) == (2, 0)
+    assert not budget.settle(3)  # nothing charged: nothing to give back
+    budget.charge(3)
+    assert (budget.left, budget.used) == (1, 1)
+    assert budget.settle(2)  # the group shrank: the failure followed a departure
+    assert (budget.left, budget.used) == (2, 0)
+    assert not budget.settle(1)  # a charge is refunded once
+    budget.charge(2)
+    assert not budget.settle(2)  # same size: a real worker failure stays counted
+    assert budget.left == 1
+
+
+# (state, closed, mode) -> stop now: a failed close stops healthy workers; any close
+# meets failed workers; a drain or finished close lets healthy workers run to the end.
+CLOSED_RUN = {
+    (WorkerState.HEALTHY, False, ""): False,
+    (WorkerState.HEALTHY, True, "failed"): True,
+    (WorkerState.HEALTHY, True, "drain"): False,
+    (WorkerState.HEALTHY, True, "finished"): False,
+    (WorkerState.FAILED, True, "drain"): True,
+    (WorkerState.FAILED, True, "finished"): True,
+    (WorkerState.FAILED, False, ""): False,
+    (WorkerState.SUCCEEDED, True, "failed"): False,
+    (WorkerState.STOPPED, True, "failed"): False,
+}
+
+
+@pytest.mark.parametrize(("case", "stop"), CLOSED_RUN.items(), ids=str)
+def test_stop_for_closed_run(case: tuple[WorkerState, bool, str], stop: bool) -> None:
+    assert stop_for_closed_run(*case) is stop
