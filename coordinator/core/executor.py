@@ -27,6 +27,7 @@ from coordinator.core.errors import EtcdElasticError
 from coordinator.core.etcd_client import EtcdClient, KeyValue
 from coordinator.core.keys import RunKeys
 from coordinator.core.state import CloseMode, RdzvState, decode_state, encode_state
+from coordinator.core.store_rounds import round_prefixes
 from coordinator.core.transitions import Action, apply, close
 
 __all__ = ["CloseOutcome", "Commit", "Fence", "StateExecutor", "decode_current"]
@@ -144,10 +145,11 @@ class StateExecutor:
 
     def _stale_store(self, old_round: int, new_round: int) -> list[bytes]:
         # When round R completes, round R-1's store may still be read by an agent finishing
-        # its exit barrier; R-2's cannot be, so it goes in the same transaction.
+        # its exit barrier; R-2's cannot be, so it goes (keys and exactly-once markers) in
+        # the same transaction.
         if new_round == old_round or new_round < 3:
             return []
-        return [self._keys.store_prefix(new_round - 2)]
+        return round_prefixes(self._keys.store_root, new_round - 2)
 
     def remove(self, mod_revision: int) -> bool:
         """Delete the state key if it is still at ``mod_revision`` (gc's last step)."""

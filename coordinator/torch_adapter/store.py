@@ -11,24 +11,28 @@ Semantics, case by case (as ``TCPStore`` behaves in torch 2.13):
 * ``set(k, v)`` overwrites; ``get(k)`` returns bytes and blocks until ``k`` exists, up to
   the store timeout, then raises ``torch.distributed.DistStoreError``.
 * ``add(k, n)`` treats the value as decimal text, creates it with ``n`` when absent and
-  returns the new value; atomic (revision-guarded compare-and-swap loop).
+  returns the new value; atomic (revision-guarded compare-and-swap loop) and exactly once
+  under retries (:mod:`coordinator.torch_adapter.store_once`): a reply lost after etcd
+  committed never makes it count twice.
 * ``compare_set(k, expected, desired)``: if ``k`` holds ``expected`` (or is absent and
   ``expected`` is empty) it becomes ``desired``; returns the value ``k`` then holds, or
   ``expected`` when ``k`` is absent and ``expected`` is not empty.
 * ``wait(keys[, timeout])`` / ``multi_get(keys)`` block like ``get`` with one deadline for
   all keys; a zero timeout checks once.
 * ``check``, ``delete_key``, ``num_keys`` (keys of this round only), ``multi_set`` (one
-  transaction), ``append`` (atomic; creates), ``list_keys``, ``clone``.
+  transaction), ``append`` (atomic, exactly once like ``add``; creates), ``list_keys``,
+  ``clone``.
 * Not provided: the ``queue_*`` operations (nothing in torch's Python layer uses them).
 
-Blocking reads never poll: read, and if the key is absent watch exactly that key from the
-read revision + 1, so a put between the read and the watch is still seen.
+Blocking reads never poll: read, and if the key is absent watch exactly that key from
+now and read again, so a put between the read and the watch is still seen; a watch that
+a compaction or an error ended is re-read and re-made within the same deadline
+(:mod:`coordinator.torch_adapter.store_wait`).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -38,9 +42,11 @@ from torch.distributed import (  # type: ignore[attr-defined]
     Store,
 )
 
-from coordinator.core.errors import EtcdConnectionError
-from coordinator.core.etcd_client import EtcdClient, KeyValue, WatchEvent
+from coordinator.core.etcd_client import EtcdClient, KeyValue
 from coordinator.core.keys import decode_store_key, join_store_key, round_store_prefix
+from coordinator.core.store_rounds import ops_prefix, round_of_folder, round_prefixes
+from coordinator.torch_adapter.store_once import new_op_id, write_once
+from coordinator.torch_adapter.store_wait import wait_for_key
 
 __all__ = ["EtcdStore", "delete_round", "delete_rounds_before"]
 
@@ -104,42 +110,41 @@ class EtcdStore(Store):
     def add(self, key: str | bytes, amount: int) -> int:
         """Add ``amount`` to the decimal counter at ``key`` (absent: 0) and return the sum.
 
-        Safety: if etcd commits the increment but the reply is lost (a member dies
-        mid-call) the client's retry cannot tell our write from another's, so the
-        increment may be applied twice. Counters are exact whenever etcd stays reachable.
+        Exactly once: if etcd commits the increment but the reply is lost, the client's
+        retry finds this call's marker and returns the sum it recorded, without adding
+        again (see :mod:`coordinator.torch_adapter.store_once`).
 
         Raises:
             DistStoreError: the key holds something that is not a decimal integer.
         """
-        etcd_key = self._key(key)
-        current, _ = self._client.get(etcd_key)
-        while True:
+        return self._add(key, amount, new_op_id())
+
+    def _add(self, key: str | bytes, amount: int, op_id: str) -> int:
+        """:meth:`add` as the operation ``op_id``: calling it again with the same id (what
+        a retry after a lost reply does) adds nothing and returns the same sum."""
+
+        def modify(current: KeyValue | None) -> tuple[bytes, bytes]:
             base = 0 if current is None else self._as_int(key, current.value)
-            total = base + int(amount)
-            result = self._client.put_if_mod_revision(
-                etcd_key, str(total).encode("ascii"), self._mod_revision(current)
-            )
-            if result.succeeded:
-                return total
-            # Lost a race: the failed transaction already read the winner's value.
-            current = result.current
+            total = str(base + int(amount)).encode("ascii")
+            return total, total
+
+        return int(write_once(self._client, self._key(key), self._marker(op_id), modify))
 
     def append(self, key: str | bytes, value: str | bytes) -> None:
         """Append ``value`` to the bytes at ``key``, creating it when absent (atomic).
 
-        Like :meth:`add`, a reply lost after the commit may make a retry append twice.
+        Exactly once, like :meth:`add`.
         """
-        etcd_key = self._key(key)
+        self._append(key, value, new_op_id())
+
+    def _append(self, key: str | bytes, value: str | bytes, op_id: str) -> None:
+        """:meth:`append` as the operation ``op_id`` (see :meth:`_add`)."""
         tail = _to_bytes("value", value)
-        current, _ = self._client.get(etcd_key)
-        while True:
-            head = b"" if current is None else current.value
-            result = self._client.put_if_mod_revision(
-                etcd_key, head + tail, self._mod_revision(current)
-            )
-            if result.succeeded:
-                return
-            current = result.current
+
+        def modify(current: KeyValue | None) -> tuple[bytes, bytes]:
+            return (b"" if current is None else current.value) + tail, b""
+
+        write_once(self._client, self._key(key), self._marker(op_id), modify)
 
     def compare_set(
         self, key: str | bytes, expected_value: str | bytes, desired_value: str | bytes
@@ -285,56 +290,13 @@ class EtcdStore(Store):
         return found
 
     def _wait_one(self, etcd_key: bytes, deadline: float) -> KeyValue | None:
-        """The key's value once it exists, or None at ``deadline``.
-
-        Raises:
-            the error etcd cancelled the watch with (a ``coordinator.core.errors`` type).
-        """
-        kv, _ = self._client.get(etcd_key)
-        if kv is not None:
-            return kv
-        # Absent: watch from now, then read again (see EtcdClient.watch_then_read).
-        arrived = threading.Event()
-        box: list[KeyValue] = []
-        errors: list[Exception] = []
-
-        def on_events(events: list[WatchEvent], _revision: int) -> None:
-            for event in events:
-                if event.kind == "put" and event.kv.key == etcd_key:
-                    box.append(event.kv)
-                    arrived.set()
-                    return
-
-        def on_error(error: Exception) -> None:
-            # etcd cancelled the watch (e.g. permission lost): fail now, not at timeout.
-            errors.append(error)
-            arrived.set()
-
-        try:
-            # A watch from now cannot meet a compaction (no history is asked for).
-            watch, (kv, _) = self._client.watch_then_read(
-                etcd_key,
-                lambda: self._client.get(etcd_key),
-                on_events,
-                lambda _rev: None,
-                on_error=on_error,
-                timeout=max(deadline - self._clock(), 0.0),
-            )
-        except EtcdConnectionError:
-            if self._clock() >= deadline:
-                return None  # the watch was not even confirmed by the deadline
-            raise
-        try:
-            if kv is not None:
-                return kv
-            arrived.wait(max(deadline - self._clock(), 0.0))
-        finally:
-            watch.cancel()
-        if errors and not box:
-            raise errors[0]
-        return box[0] if box else None
+        """The key's value once it exists, or None at ``deadline``."""
+        return wait_for_key(self._client, etcd_key, deadline, clock=self._clock)
 
     # -- helpers -----------------------------------------------------------------------
+
+    def _marker(self, op_id: str) -> bytes:
+        return ops_prefix(self._prefix) + op_id.encode("ascii")
 
     @staticmethod
     def _mod_revision(current: KeyValue | None) -> int:
@@ -352,8 +314,11 @@ class EtcdStore(Store):
 
 
 def delete_round(client: EtcdClient, store_root: bytes, round: int) -> int:
-    """Delete every Store key of ``round`` under ``store_root``; return how many."""
-    deleted, _ = client.delete_prefix(round_store_prefix(store_root, round))
+    """Delete every Store key of ``round`` under ``store_root`` (and its exactly-once
+    markers); return how many Store keys."""
+    keys_prefix, markers = round_prefixes(store_root, round)
+    deleted, _ = client.delete_prefix(keys_prefix)
+    client.delete_prefix(markers)
     return deleted
 
 
@@ -370,10 +335,10 @@ def delete_rounds_before(client: EtcdClient, store_root: bytes, round: int) -> i
     kvs, _ = client.get_prefix(store_root, keys_only=True)
     old_rounds: set[int] = set()
     for kv in kvs:
-        folder = kv.key[len(store_root) :].split(b"/", 1)[0]
-        if not folder.isdigit() or folder != str(int(folder)).encode("ascii"):
+        found = round_of_folder(kv.key[len(store_root) :].split(b"/", 1)[0])
+        if found is None:
             log.warning("not deleting foreign key %r under store root %r", kv.key, store_root)
             continue
-        if int(folder) < round:
-            old_rounds.add(int(folder))
+        if found < round:
+            old_rounds.add(found)
     return sum(delete_round(client, store_root, r) for r in sorted(old_rounds))
