@@ -41,7 +41,6 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStoreInfo,
 )
 
-from coordinator.core.duty import CoordinatorDuty
 from coordinator.core.errors import (
     EtcdElasticError,
     JoinTimeoutError,
@@ -52,12 +51,12 @@ from coordinator.core.etcd_client import EtcdClient
 from coordinator.core.executor import StateExecutor
 from coordinator.core.keys import make_node_id
 from coordinator.core.listeners import Listeners
-from coordinator.core.membership import NodeMembership
+from coordinator.core.participation import Participation
 from coordinator.core.ports import free_port
 from coordinator.core.settings import RendezvousSettings
 from coordinator.core.state import CloseMode, NodeInfo, RdzvState
+from coordinator.core.threads import ThreadDied
 from coordinator.core.transitions import Limits, NodeAction, decide_node
-from coordinator.core.view import StateView
 from coordinator.torch_adapter.errors import torch_errors
 from coordinator.torch_adapter.store import EtcdStore
 
@@ -108,11 +107,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
         # A leaf lock: it guards the references below and nothing else; no RPC, callback
         # or other lock is taken while it is held (docs/architecture.md, lock order).
         self._lock = threading.Lock()
-        self._view: StateView | None = None
-        self._duty: CoordinatorDuty | None = None
-        self._member: NodeMembership | None = None
+        self._parts: Participation | None = None
         self._listeners = Listeners()
         self._left = False
+        # Set when a background thread died: this node left and must re-join (see
+        # _on_thread_death); num_nodes_waiting() counts it so the agent re-rendezvouses.
+        self._rejoin: str | None = None
+        self._unlisten: Callable[[], None] | None = None
         self._started_ms = int(time.time() * 1000)
         self.last_round = -1
         """The round of this node's last completed rendezvous (-1: none yet)."""
@@ -125,54 +126,63 @@ class EtcdRendezvousHandler(RendezvousHandler):
         with self._lock:
             if self._client is None:
                 # Construction does no I/O (the first call connects).
-                self._client = EtcdClient(self._settings.etcd_config())
+                self._client = EtcdClient(
+                    self._settings.etcd_config(), on_thread_death=self._on_thread_death
+                )
+            elif self._unlisten is None and not self._own_client:
+                self._unlisten = self._client.add_death_listener(self._on_thread_death)
             return self._client
 
-    def _started_view(self) -> StateView:
+    def _participation(self) -> Participation:
+        """The live participation, a new one if there is none (first join, re-join)."""
         with self._lock:
             if self._left:
                 raise NodeLeftError(f"node {self.node_id} has left run {self._keys.run_id}")
-            if self._view is not None:
-                return self._view
+            if self._parts is not None:
+                return self._parts
         # Start outside the lock (watch, read: RPCs); the first to publish wins.
-        client = self._etcd()
-        member = NodeMembership(
-            client, self._keys, self.node_id, self._settings.lease_ttl, self._on_session_lost
-        )
-        view = StateView(client, self._keys.state)
-        view.subscribe(self._notify)
-        view.start()
-        duty = CoordinatorDuty(
-            client, self._keys, view, self._limits, member.current, clock=self._clock
-        )
+        parts = Participation(
+            self._etcd(), self._keys, self.node_id, self._settings.lease_ttl, self._limits,
+            on_change=self._notify, on_death=self._on_thread_death, clock=self._clock,
+        )  # fmt: skip
+        parts.view.start()
         with self._lock:
-            won = self._view is None and not self._left
+            won = self._parts is None and not self._left
             if won:
-                self._view, self._duty, self._member = view, duty, member
+                self._parts, self._rejoin = parts, None
         if not won:
-            view.close()
-            return self._started_view()  # raises NodeLeftError, or returns the winner's
-        duty.start()
-        return view
+            parts.close(started=False)
+            return self._participation()  # raises NodeLeftError, or returns the winner's
+        parts.duty.start()
+        return parts
+
+    def _current(self) -> Participation | None:
+        with self._lock:
+            return self._parts
 
     def _notify(self) -> None:
         self._listeners.notify()
 
-    def _on_session_lost(self) -> None:
+    def _on_thread_death(self, died: ThreadDied) -> None:
+        """A background thread of this node died (already logged with its traceback):
+        leave the run (the others see this node go at once) and re-join from scratch on
+        the next rendezvous. Runs on the dying thread, so the teardown (RPCs) runs on a
+        thread of its own."""
         with self._lock:
-            view, duty = self._view, self._duty
-        if view is not None:
-            view.wake()
-        if duty is not None:
-            duty.poke()
-        self._notify()
+            parts, self._parts = self._parts, None
+            if self._left or parts is None:
+                return
+            self._rejoin = str(died)
+        log.error("node %s leaves run %s to re-join: %s", self.node_id, self._keys.run_id, died)
 
-    def _write_node(self, wanted_round: int) -> None:
+        def teardown() -> None:
+            parts.close()
+            self._notify()
+
+        threading.Thread(target=teardown, name="rdzv-rejoin", daemon=True).start()
+
+    def _write_node(self, parts: Participation, wanted_round: int) -> None:
         """Write this node's key asking for ``wanted_round``, with a live lease."""
-        with self._lock:
-            member, duty = self._member, self._duty
-        if member is None:
-            raise NodeLeftError(f"node {self.node_id} has left run {self._keys.run_id}")
 
         def record(lease_id: int) -> NodeInfo:
             return NodeInfo(
@@ -188,16 +198,14 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 free_port=free_port(""),
             )
 
-        member.write(record)
-        if duty is not None:
-            duty.poke()
+        parts.member.write(record)
+        parts.duty.poke()
 
     def _session_lost(self) -> bool:
         # Called under the view's condition (wait_newer's predicate): takes only the leaf
         # lock, never the view's.
-        with self._lock:
-            member = self._member
-        return member is not None and member.lost()
+        parts = self._current()
+        return parts is not None and parts.member.lost()
 
     # -- RendezvousHandler -------------------------------------------------------------
 
@@ -212,13 +220,17 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     @torch_errors
     def next_rendezvous(self) -> RendezvousInfo:
-        view = self._started_view()
+        parts = self._participation()
         run_id = self._keys.run_id
         start = self._clock()
         deadline = start + self._settings.join_timeout
         wanted = 0
         log.info("node %s joining run %s", self.node_id, run_id)
         while True:
+            if self._current() is not parts:
+                # A background thread died and this node left: join again from scratch.
+                parts, wanted = self._participation(), 0
+            view = parts.view
             state, _, seen = view.read()
             action = decide_node(state, self.node_id, wanted, self._clock(), deadline)
             if action is not NodeAction.FINISH and wanted and self._session_lost():
@@ -252,7 +264,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 )
             if action is NodeAction.JOIN:
                 wanted = state.round + 1
-                self._write_node(wanted)
+                self._write_node(parts, wanted)
                 continue
             view.wait_newer(seen, max(deadline - self._clock(), 0.0), self._session_lost)
 
@@ -269,7 +281,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     @torch_errors
     def is_closed(self) -> bool:
-        state, _ = self._started_view().snapshot()
+        state, _ = self._participation().view.snapshot()
         return state.closed
 
     @torch_errors
@@ -281,7 +293,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             mode: ``finished`` (all done), ``failed`` (this node gave up: the others stop
                 and exit non-zero) or ``drain`` (finish the current attempt, then exit 0).
         """
-        view = self._started_view()
+        view = self._participation().view
         executor = StateExecutor(self._etcd(), self._keys, written_by=self.node_id)
         outcome = executor.close(
             reason,
@@ -298,24 +310,22 @@ class EtcdRendezvousHandler(RendezvousHandler):
     @property
     def close_mode(self) -> CloseMode:
         """How the run was closed (``unspecified`` while it is open), from the watched view."""
-        with self._lock:
-            view = self._view
-        return view.peek().close_mode if view is not None else "unspecified"
+        parts = self._current()
+        return parts.view.peek().close_mode if parts is not None else "unspecified"
 
     @property
     def closed_reason(self) -> str:
         """Why the run was closed ("" while it is open), from the watched view."""
-        with self._lock:
-            view = self._view
-        return view.peek().closed_reason if view is not None else ""
+        parts = self._current()
+        return parts.view.peek().closed_reason if parts is not None else ""
 
     @torch_errors
     def num_nodes_waiting(self) -> int:
         with self._lock:
-            view = self._view
-        if view is None:
-            return 0
-        return view.peek().num_waiting + (1 if self._session_lost() else 0)
+            parts, rejoin = self._parts, self._rejoin
+        if parts is None:
+            return 1 if rejoin is not None else 0
+        return parts.view.peek().num_waiting + (1 if parts.member.lost() else 0)
 
     def get_run_id(self) -> str:
         return self._keys.run_id
@@ -341,7 +351,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
     @property
     def is_coordinator(self) -> bool:
         """Whether this node currently holds the coordinator duty."""
-        return self._duty is not None and self._duty.is_leader
+        parts = self._current()
+        return parts is not None and parts.duty.is_leader
 
     @torch_errors
     def leave(self) -> None:
@@ -350,27 +361,20 @@ class EtcdRendezvousHandler(RendezvousHandler):
             if self._left:
                 return
             self._left = True
-            duty, view, member = self._duty, self._view, self._member
-            self._duty = self._view = self._member = None
-        if duty is not None:
-            duty.stop()
-        if view is not None:
-            view.close()
-        if member is not None:
-            try:
-                member.close(revoke=True)
-            except EtcdElasticError as exc:
-                log.warning("node %s: lease not revoked (%s); it expires by TTL", self.node_id, exc)
+            parts, self._parts = self._parts, None
+        if parts is not None:
+            parts.close()
+        if self._unlisten is not None:
+            self._unlisten()
         if self._own_client and self._client is not None:
             self._client.close()
 
     def departed_participants(self) -> list[str]:
         """Nodes of this node's last round whose lease ended since (from the watched view)."""
-        with self._lock:
-            view = self._view
-        if view is None or self.last_round < 0:
+        parts = self._current()
+        if parts is None or self.last_round < 0:
             return []
-        state = view.peek()
+        state = parts.view.peek()
         if state.round != self.last_round:
             return []
         return [node for node in state.lost if node != self.node_id]

@@ -40,9 +40,9 @@ BOUND_S = 2 * TTL + 1 + 6
 
 def _lose_lease(handler: EtcdRendezvousHandler) -> float:
     """Stop keeping ``handler``'s lease alive without revoking it (a node that died)."""
-    member = handler._member
-    assert member is not None
-    member.close(revoke=False)
+    parts = handler._current()
+    assert parts is not None
+    parts.member.close(revoke=False)
     return time.monotonic()
 
 

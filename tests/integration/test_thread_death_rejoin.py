@@ -1,0 +1,74 @@
+"""A background thread that dies is never a silent freeze (issue 8 item 4, DESIGN §9).
+
+Two nodes form a round on real etcd; then the watch thread of one node's etcd client
+dies (an exception injected into its handling of the next response). That node must
+leave at once (its key goes, so the other sees it), report a membership change through
+``num_nodes_waiting()`` and its listener, and both must form the next round again with
+fresh watches, a fresh duty and a fresh lease.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from coordinator.core.etcd_client import EtcdClient, EtcdConfig
+from coordinator.etcd_server import EtcdCluster
+from coordinator.torch_adapter.handler import EtcdRendezvousHandler
+from tests.rdzv_helpers import Joins, make_handler, shutdown_all, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def handlers() -> Iterator[list[EtcdRendezvousHandler]]:
+    made: list[EtcdRendezvousHandler] = []
+    yield made
+    shutdown_all(made)
+
+
+def test_a_dead_watch_thread_makes_the_node_rejoin(
+    etcd1: EtcdCluster,
+    run_id: str,
+    handlers: list[EtcdRendezvousHandler],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    handlers += [make_handler(etcd1, run_id, 2, 2) for _ in range(2)]
+    first = Joins(handlers).start().infos()
+    assert sorted(info.rank for info in first.values()) == [0, 1]
+    victim, other = handlers
+    round1 = victim.last_round
+    changed = threading.Event()
+    victim.subscribe(changed.set)
+    old_key = victim._current()
+    assert old_key is not None
+    old_revision = old_key.member.current()
+
+    client: EtcdClient = victim._etcd()
+
+    def broken(*_args: object) -> None:
+        raise RuntimeError("injected into the watch thread")
+
+    monkeypatch.setattr(client._watcher, "_handle", broken)
+    # Any event on a watched key makes the thread handle a response, and die: the state
+    # key, which every node watches, written again with the same value.
+    with EtcdClient(EtcdConfig(endpoints=tuple(etcd1.endpoints))) as poker:
+        kv, _ = poker.get(victim._keys.state)
+        assert kv is not None
+        poker.put(victim._keys.state, kv.value)
+    assert changed.wait(30), "the node did not report the death"
+    wait_until(lambda: victim.num_nodes_waiting() >= 1, 30, "the victim to ask for a rejoin")
+    # It left: the other node sees a participant lost and re-rendezvouses too.
+    wait_until(lambda: other.num_nodes_waiting() >= 1, 30, "the other node to see it go")
+    monkeypatch.undo()
+
+    second = Joins(handlers).start().infos()
+    assert sorted(info.rank for info in second.values()) == [0, 1]
+    assert victim.last_round == other.last_round == round1 + 1
+    fresh = victim._current()
+    assert fresh is not None and fresh is not old_key
+    new_revision = fresh.member.current()
+    assert old_revision is not None and new_revision is not None
+    assert new_revision.create_revision > old_revision.create_revision  # a new key
