@@ -120,7 +120,8 @@ def _list(client: EtcdClient, opts: Options, out: _Out) -> int:
         for error in snapshot.errors:
             out.warn(error)
     for key in found.foreign_keys:
-        out.warn(f"key {key!r} is not part of any run (not written by etcd-elastic)")
+        # Quoted by hand, not with repr(): a byte that is not UTF-8 shows as \xff, once.
+        out.warn(f"key '{key}' is not part of any run (not written by etcd-elastic)")
     if opts.json:
         out.data(list_json(snapshots, opts.key_prefix, found.foreign_keys))
     else:

@@ -203,6 +203,19 @@ def test_list_shows_every_run_and_goes_on_past_a_corrupt_one(
     )
 
 
+def test_list_names_a_key_that_is_not_utf8_as_text(
+    etcd1: EtcdCluster, run_id: str, client: EtcdClient, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prefix = f"/{run_id}"
+    client.put(f"{prefix}/".encode() + b"\xff", b"x")
+    code, out, err = ctl(capsys, etcd1, "list", "--key-prefix", prefix)
+    assert (code, out) == (0, f"no runs under {prefix}/\n")
+    assert err == (
+        f"rdzvctl: warning: key '{prefix}/\\xff' is not part of any run (not written by "
+        "etcd-elastic)\n"
+    )
+
+
 # -- watch ----------------------------------------------------------------------------
 
 
