@@ -76,6 +76,14 @@ def _history_complete(h: History, cfg: CheckConfig) -> Iterator[Violation]:
             f"{len(unknown)} of {len(workers)} worker events carry no round: the agent does "
             "not set ETCD_ELASTIC_ROUND (and ETCD_ELASTIC_NODE_ID) for its workers",
         )
+    numberless = [r for r in h.of(ev.ROUND) if r.int_field("round") < 0]
+    if numberless:
+        yield at(
+            name,
+            numberless[0],
+            f"{len(numberless)} agent `round` events carry no round number (or members): "
+            "the rendezvous handler does not tell the agent which round completed",
+        )
     reported = {(r.int_field("pid"), r.int_field("round")) for r in h.of(ev.ROUND)}
     missing = [
         w

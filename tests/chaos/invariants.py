@@ -32,6 +32,8 @@ def one_membership_per_round(h: History, cfg: CheckConfig) -> Iterator[Violation
     first: dict[int, Indexed] = {}
     for item in h.of(ev.ROUND):
         round_ = item.int_field("round")
+        if round_ < 0:
+            continue  # no round number: history_complete says so
         members = str_list(item.event.get("members"))
         seen = first.setdefault(round_, item)
         agreed = str_list(seen.event.get("members"))

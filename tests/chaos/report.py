@@ -3,8 +3,9 @@
 For a fault that restarts workers (it removes a node, kills a worker, adds a node) the
 cost is its **recovery**: seconds from the fault's start to the first step of a newer
 round. For a fault that must cost nothing, it is the **stall**: the longest stretch
-without any worker step from the fault's start to one second after its end (one step
-period is the floor: workers step every ``CHAOS_STEP_SECONDS``). Pure.
+without any worker step from the fault's start to the next fault's start (the harness
+waits for the job to be steady in between, so a restart the fault caused late still
+shows; one step period, ``CHAOS_STEP_SECONDS``, is the floor). Pure.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from typing import Any
 from tests.chaos.history_view import History
 
 __all__ = ["KindRow", "format_table", "percentile", "summarize"]
-
-_AFTER_END_S = 1.0  # a stall that starts right at the fault's end still counts
 
 
 @dataclass(frozen=True)
@@ -57,7 +56,8 @@ def summarize(events: Sequence[Mapping[str, Any]]) -> list[KindRow]:
     """One row per fault kind that ran, in order of first appearance."""
     history = History(events)
     measured: dict[str, tuple[str, list[float], list[None]]] = {}
-    for span in history.faults():
+    spans = history.faults()
+    for i, span in enumerate(spans):
         if span.disruptive:
             _, values, never = measured.setdefault(span.kind, ("recovery", [], []))
             took = history.recovery(span)
@@ -67,7 +67,7 @@ def summarize(events: Sequence[Mapping[str, Any]]) -> list[KindRow]:
                 values.append(took)
         else:
             _, values, _ = measured.setdefault(span.kind, ("stall", [], []))
-            hi = min(span.end_mono + _AFTER_END_S, history.end_mono)
+            hi = spans[i + 1].start_mono if i + 1 < len(spans) else history.end_mono
             values.append(history.stall(span.start_mono, hi))
     return [
         KindRow(kind, len(values) + len(never), measure, tuple(values), len(never))

@@ -148,6 +148,8 @@ Mutation = Callable[[list[Event]], list[Event]]
 BROKEN: list[tuple[str, str, Mutation]] = [
     ("history_complete", "worker events without a round",
      lambda h: _edit(h, _is("step", pid=101), round=-1)),
+    ("history_complete", "agent round events without a round number",
+     lambda h: _edit(h, _is("round", node="a"), round=-1, members=[])),
     ("history_complete", "agent writes no round events",
      lambda h: [e for e in h if e["event"] != "round"]),
     ("history_complete", "no run_start", lambda h: [e for e in h if e["event"] != "run_start"]),
