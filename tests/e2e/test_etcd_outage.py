@@ -10,6 +10,7 @@ agent logs one warning naming the endpoints and one line when etcd is back.
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -110,9 +111,7 @@ def test_a_whole_cluster_restart_costs_no_worker_restart(
         during = [s for s in _steps(steps) if down_at < s["t"] < up_at]
         after = _steps(steps)
         by_pid = {pid: sorted(s["t"] for s in after if s["pid"] == pid) for pid in pids}
-        gaps = {
-            pid: max(b - a for a, b in zip(ts, ts[1:], strict=False)) for pid, ts in by_pid.items()
-        }
+        gaps = {pid: max(b - a for a, b in itertools.pairwise(ts)) for pid, ts in by_pid.items()}
         print(
             f"outage {up_at - down_at:.1f} s: {len(during)} steps taken meanwhile; "
             f"largest gap between steps per worker: "
