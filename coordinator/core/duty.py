@@ -9,9 +9,28 @@ for the deletion of its predecessor's key (so a leader's death wakes exactly one
 That keeps a formation at O(N) writes and O(N) watch events.
 
 Correctness does not depend on there being exactly one leader: every commit is guarded by
-the state key's mod_revision, so a stale leader (frozen, then resumed) loses its race and
-re-reads. A new leader restarts the last-call timer from its own clock (leader clocks are
-never compared).
+the state key's mod_revision AND fenced by the leader's own node key still having the
+create revision it was elected with (:class:`~coordinator.core.executor.Fence`). A leader
+that froze past its lease and resumed finds its key gone or re-created: its commit,
+decided from a node table that is stale, is refused even when nobody changed the state
+meanwhile, and it steps down. A new leader restarts the last-call timer from its own clock
+(leader clocks are never compared).
+
+Damaged state (DESIGN §6, §9):
+
+* an unreadable value at the state key: the leader keeps its node watch and waits; it
+  never overwrites the value (an operator put it there) and resumes when a valid value
+  appears. Said once per episode, not once per event;
+* a deleted state key: before deciding anything, the leader writes back the last state
+  it knows, so the next rounds continue from there and never form "round 1" again over
+  that round's old store keys. What it knows is the view's last good state; if the view
+  never saw one (this node started after the delete), the highest round that still has
+  store keys in etcd (read once per leadership term while the key is absent; a run that
+  never formed has none and starts at round 0 as usual).
+
+The duty's thread is started through :func:`~coordinator.core.threads.start_guarded`:
+etcd errors are retried with a pause, anything unexpected ends the thread and is reported
+to ``on_death`` (the node would otherwise silently stop coordinating).
 """
 
 from __future__ import annotations
@@ -25,10 +44,13 @@ from dataclasses import dataclass
 
 from coordinator.core.errors import CorruptValueError, EtcdElasticError
 from coordinator.core.etcd_client import EtcdClient, Watch, WatchEvent
-from coordinator.core.executor import Fence, StateExecutor
+from coordinator.core.executor import Commit, Fence, StateExecutor
 from coordinator.core.keys import RunKeys
 from coordinator.core.node_table import NodeTable
-from coordinator.core.transitions import Limits, decide_coordinator
+from coordinator.core.state import RdzvState
+from coordinator.core.store_rounds import highest_store_round
+from coordinator.core.threads import DeathListener, start_guarded
+from coordinator.core.transitions import Action, Limits, decide_coordinator
 from coordinator.core.view import StateView
 
 __all__ = ["CoordinatorDuty", "Membership"]
@@ -70,6 +92,8 @@ class CoordinatorDuty:
         membership: returns this node's current key (None while it has none).
         clock: monotonic seconds.
         wall_ms: wall-clock milliseconds, recorded in the state for operators only.
+        on_death: told if the duty's thread dies of an unexpected exception (the node no
+            longer coordinates: its owner should leave and re-join, or stop).
     """
 
     def __init__(
@@ -81,6 +105,7 @@ class CoordinatorDuty:
         membership: Callable[[], Membership | None],
         clock: Callable[[], float] = time.monotonic,
         wall_ms: Callable[[], int] = lambda: int(time.time() * 1000),
+        on_death: DeathListener | None = None,
     ) -> None:
         self._client = client
         self._keys = keys
@@ -94,14 +119,16 @@ class CoordinatorDuty:
         self._nodes = NodeTable()
         self._nodes_lock = threading.Lock()
         self._resync = threading.Event()
+        self._on_death = on_death
         self.is_leader = False
         self.commits = 0
         self.failed_commits = 0
-        self._thread = threading.Thread(target=self._run, name="rdzv-coordinator", daemon=True)
+        self.fenced_out = 0  # commits refused because this node's key was gone or new
+        self._thread: threading.Thread | None = None
         self._unsubscribe = view.subscribe(self._signal.set)
 
     def start(self) -> None:
-        self._thread.start()
+        self._thread = start_guarded("rdzv-coordinator", self._run, self._on_death)
 
     def poke(self) -> None:
         """Re-check now (e.g. this node's key changed)."""
@@ -111,8 +138,9 @@ class CoordinatorDuty:
         self._stop.set()
         self._signal.set()
         self._unsubscribe()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=10)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=10)
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -128,6 +156,7 @@ class CoordinatorDuty:
             except EtcdElasticError as exc:
                 # etcd unreachable for the whole retry budget, or similar: try again after
                 # a pause rather than die; the handler surfaces errors to its caller.
+                # Anything else is a bug: it ends the thread and reaches on_death.
                 log.warning("coordinator duty: %s; retrying", exc)
                 self._stop.wait(1.0)
         self.is_leader = False
@@ -181,6 +210,8 @@ class CoordinatorDuty:
         self.is_leader = True
         deadline: float | None = None
         deadline_round = -1
+        paused = False  # the state key is unreadable: wait for a valid value
+        store_floor: int | None = None  # read once per term, only if the key is absent
         try:
             while not self._stop.is_set():
                 current = self._membership()
@@ -189,7 +220,31 @@ class CoordinatorDuty:
                 if self._resync.is_set():
                     self._resync.clear()
                     return  # the node watch was compacted: lead again from a fresh read
-                state, mod_revision = self._view.snapshot()
+                try:
+                    state, mod_revision = self._view.snapshot()
+                except CorruptValueError as exc:
+                    if not paused:
+                        log.error("run %s: not coordinating until %s", self._keys.run_id, exc)
+                    paused = True
+                    self._signal.wait(None)
+                    continue
+                if paused:
+                    log.info("run %s: the state key is readable again", self._keys.run_id)
+                    paused = False
+                if mod_revision == 0:
+                    if store_floor is None:
+                        store_floor = highest_store_round(self._client, self._keys.store_root)
+                    known = _to_restore(state, store_floor)
+                    if known is not None:
+                        result = executor.commit((known, 0), (), fence=fence)
+                        if result.succeeded:
+                            log.warning(
+                                "run %s: the state key was gone; wrote back round %d",
+                                self._keys.run_id, known.round,
+                            )  # fmt: skip
+                        if self._settle(me, result, ()):
+                            return
+                        continue
                 with self._nodes_lock:
                     nodes = self._nodes.snapshot()
                 now = self._clock()
@@ -200,42 +255,42 @@ class CoordinatorDuty:
                 decision = decide_coordinator(state, nodes, self._limits, now, deadline)
                 deadline = decision.last_call_deadline
                 if decision.actions:
-                    result = executor.commit(
-                        (state, mod_revision),
-                        decision.actions,
-                        fence=fence,
-                    )
-                    if result.succeeded:
-                        self.commits += 1
-                        log.info(
-                            "run %s: committed %s (round %d)",
-                            self._keys.run_id,
-                            ", ".join(a.kind.value for a in decision.actions),
-                            result.state.round,
-                        )
-                        self._view.offer_written(result.state, result.revision)
-                        continue
-                    self.failed_commits += 1
-                    self._view.offer(result.current, result.revision)
-                    if result.fenced_out:
-                        log.warning(
-                            "node %s: no longer coordinates run %s: its key is gone or new",
-                            me.node_id,
-                            self._keys.run_id,
-                        )
+                    result = executor.commit((state, mod_revision), decision.actions, fence=fence)
+                    if self._settle(me, result, decision.actions):
                         return
                     continue
                 timeout = None if decision.wake_at == math.inf else decision.wake_at - now
                 self._signal.wait(max(timeout, 0.0) if timeout is not None else None)
-        except CorruptValueError as exc:
-            # Never crash-loop on a foreign value: report, then wait for it to change.
-            log.error("run %s: not coordinating: %s", self._keys.run_id, exc)
-            self._signal.wait(None)
         finally:
             self.is_leader = False
             watch.cancel()
             with self._nodes_lock:
                 self._nodes.reset()
+
+    def _settle(self, me: Membership, result: Commit, actions: tuple[Action, ...]) -> bool:
+        """Record a commit's outcome in the view; whether this node must step down."""
+        if result.succeeded:
+            self.commits += 1
+            if actions:
+                log.info(
+                    "run %s: committed %s (round %d)",
+                    self._keys.run_id,
+                    ", ".join(a.kind.value for a in actions),
+                    result.state.round,
+                )
+            self._view.offer_written(result.state, result.revision)
+            return False
+        self.failed_commits += 1
+        self._view.offer(result.current, result.revision)
+        if not result.fenced_out:
+            return False
+        self.fenced_out += 1
+        log.warning(
+            "node %s: no longer coordinates run %s: its key is gone or new; a commit "
+            "decided from what it saw before was refused",
+            me.node_id, self._keys.run_id,
+        )  # fmt: skip
+        return True
 
     # -- node keys ---------------------------------------------------------------------
 
@@ -266,3 +321,17 @@ class CoordinatorDuty:
         # Leading again re-reads every node key and watches from there.
         self._resync.set()
         self._signal.set()
+
+
+def _to_restore(last_good: RdzvState, store_floor: int) -> RdzvState | None:
+    """What to write back at an absent state key (None: nothing; a run not formed yet).
+
+    The view's last good state if it is at least as far on as the store shows, else a
+    bare state at the highest round the store still has (its participants are not known:
+    that round then counts as having none alive, so the next one forms).
+    """
+    if (last_good.round or last_good.closed) and last_good.round >= store_floor:
+        return last_good
+    if store_floor > 0:
+        return RdzvState(round=store_floor)
+    return None
