@@ -9,11 +9,13 @@ cannot (missing program, no permission).
 Two traps of the parent-death signal, and how they are closed here:
 
 - **It follows the forking thread, not the process.** The kernel sends it when the
-  *thread* that forked the child ends, even if the process lives on. Every fork is
-  therefore done by one daemon thread ("lifeline spawner") that lives as long as the
-  process, whatever thread calls :func:`spawn` (a test's helper thread, an agent run in a
-  thread). That thread ends only with the process, when the signal is wanted. After
-  ``os.fork()`` a child process gets its own spawner on first use.
+  *thread* that forked the child ends, even if the process lives on. So a fork is done
+  either by the main thread (which, in Python, ends only with the process) when that is
+  the caller, or else by one daemon thread ("lifeline spawner") that lives as long as
+  the process, whatever other thread calls :func:`spawn` (a test's helper thread, an
+  agent run in a thread). That thread starts when this module is imported, so it is
+  there before any caller's threads (and before any test that counts threads); after
+  ``os.fork()`` a child process gets its own on first need.
 - **The parent may die before the child arms it.** The trampoline compares
   ``getppid()`` with the pid it was given after ``prctl``; if they differ, the program
   is never started.
@@ -72,7 +74,7 @@ class _Call(Generic[T]):
 
 
 class _Spawner:
-    """One long-lived thread that runs every fork of this process."""
+    """Runs every fork of this process on a thread that lives as long as the process."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -80,8 +82,8 @@ class _Spawner:
         self._thread: threading.Thread | None = None
         self._pid = 0
 
-    def run(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the spawner thread; return its result or raise its exception."""
+    def start(self) -> queue.SimpleQueue[_Call[Any]]:
+        """Make sure the thread runs in this process; returns its queue."""
         with self._lock:
             if self._pid != os.getpid():
                 # A forked child inherits this object but not the thread.
@@ -91,7 +93,13 @@ class _Spawner:
                     target=self._serve, args=(self._calls,), name="lifeline spawner", daemon=True
                 )
                 self._thread.start()
-            calls = self._calls
+            return self._calls
+
+    def run(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on such a thread; return its result or raise its exception."""
+        if threading.current_thread() is threading.main_thread():
+            return fn()  # no thread hop
+        calls = self.start()
         call = _Call(fn)
         calls.put(call)
         call.done.wait()
@@ -114,6 +122,8 @@ class _Spawner:
 
 
 _SPAWNER = _Spawner()
+if PDEATHSIG_SUPPORTED:
+    _SPAWNER.start()
 
 
 @dataclass
@@ -203,14 +213,11 @@ def spawn(
     if not program:
         raise ValueError("spawn: empty argv; give the program to run")
     if not PDEATHSIG_SUPPORTED or not sys.executable:
-
-        def plain() -> subprocess.Popen[bytes]:
-            return subprocess.Popen(
-                program, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr,
-                start_new_session=start_new_session,
-            )  # fmt: skip
-
-        return Spawned(_SPAWNER.run(plain), program)
+        plain = subprocess.Popen(
+            program, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr,
+            start_new_session=start_new_session,
+        )  # fmt: skip
+        return Spawned(plain, program)
     base = os.environ if env is None else env
     lc_ctype = "-" if "LC_CTYPE" not in base else "=" + base["LC_CTYPE"]
     read_fd, write_fd = os.pipe()
