@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import etcd3
 import pytest
 from torch.distributed import Store, TCPStore
 
@@ -31,6 +32,7 @@ __all__ = [
     "Backend",
     "Later",
     "backend_fixture",
+    "compact_to_head",
     "etcd_backend",
     "etcd_fixture",
     "store_fixture",
@@ -129,3 +131,16 @@ def etcd_fixture(etcd1: EtcdCluster, run_id: str) -> Iterator[Backend]:
     """The etcd backend alone, for tests that look at etcd itself."""
     with etcd_backend(etcd1, run_id) as opened:
         yield opened
+
+
+def compact_to_head(endpoint: str, scratch: bytes) -> int:
+    """Compact etcd's whole history (as an operator's or the chaos suite's compaction)."""
+    host, port = endpoint.rsplit(":", 1)
+    raw = etcd3.client(host=host, port=int(port))
+    try:
+        raw.put(scratch, b"x")
+        revision = int(raw.put(scratch, b"y").header.revision)
+        raw.compact(revision, physical=True)
+        return revision
+    finally:
+        raw.close()

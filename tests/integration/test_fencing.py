@@ -14,89 +14,24 @@ shows that it commits: the fenced assertions are not true by accident.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
 from coordinator.core.duty import CoordinatorDuty, Membership
-from coordinator.core.etcd_client import EtcdClient, EtcdConfig, KeepAlive, TxnResult
+from coordinator.core.etcd_client import EtcdClient, EtcdConfig, TxnResult
 from coordinator.core.executor import Fence, StateExecutor
-from coordinator.core.keys import RunKeys
 from coordinator.core.node_table import NodeTable
-from coordinator.core.state import NodeInfo, RdzvState, decode_state, encode_node
+from coordinator.core.state import RdzvState
 from coordinator.core.transitions import ActionKind, Limits, decide_coordinator
 from coordinator.core.view import StateView
 from coordinator.etcd_server import EtcdCluster
+from tests.integration.coordinator_support import Run, run_fixture  # noqa: F401 (fixture)
 from tests.rdzv_helpers import wait_until
 
 pytestmark = pytest.mark.integration
 
-TTL = 3  # seconds; the coordinator's lease, which it outlives while frozen
 LIMITS = Limits(min_nodes=2, max_nodes=2, last_call_timeout=30.0)
-
-
-@dataclass
-class Node:
-    """A node key on a lease of its own, kept alive until the node 'freezes'."""
-
-    client: EtcdClient
-    keys: RunKeys
-    node_id: str
-    lease: int = 0
-    keepalive: KeepAlive | None = None
-    membership: Membership | None = None
-
-    def join(self, wanted_round: int) -> Membership:
-        self.lease = self.client.lease_grant(TTL)
-        self.keepalive = self.client.keep_alive(self.lease, TTL)
-        record = NodeInfo(self.node_id, wanted_round, addr=self.node_id, free_port=29500)
-        key = self.keys.node(self.node_id)
-        created = self.client.put_created(key, encode_node(record), lease=self.lease)
-        self.membership = Membership(self.node_id, key, created)
-        return self.membership
-
-    def freeze_past_ttl(self) -> None:
-        """Stop keeping the lease alive and wait until etcd expires it (key deleted)."""
-        assert self.keepalive is not None and self.membership is not None
-        self.keepalive.close(revoke=False)
-        key = self.membership.key
-        wait_until(lambda: self.client.get(key)[0] is None, 4 * TTL, "the lease to expire")
-
-    def close(self) -> None:
-        if self.keepalive is not None:
-            self.keepalive.close(revoke=True)
-
-
-@dataclass
-class Run:
-    client: EtcdClient
-    keys: RunKeys
-    nodes: list[Node] = field(default_factory=list)
-
-    def node(self, node_id: str) -> Node:
-        self.nodes.append(Node(self.client, self.keys, node_id))
-        return self.nodes[-1]
-
-    def state(self) -> tuple[RdzvState | None, int]:
-        kv, _ = self.client.get(self.keys.state)
-        if kv is None:
-            return None, 0
-        return decode_state(self.keys.state.decode(), kv.value), kv.mod_revision
-
-
-@pytest.fixture
-def run(etcd1: EtcdCluster, run_id: str) -> Iterator[Run]:
-    client = EtcdClient(EtcdConfig(endpoints=tuple(etcd1.endpoints)))
-    made = Run(client, RunKeys("/etcd-elastic-test", run_id))
-    try:
-        yield made
-    finally:
-        for node in made.nodes:
-            node.close()
-        client.delete_prefix(made.keys.run_prefix)
-        client.close()
 
 
 @pytest.mark.parametrize("fenced", [True, False], ids=["fenced", "broken-variant-unfenced"])

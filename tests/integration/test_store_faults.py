@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
-import etcd3
 import pytest
 
 from coordinator.core.etcd_client import EtcdClient, EtcdConfig, TxnResult, WatchEvent
@@ -25,6 +24,7 @@ from coordinator.core.store_rounds import ops_prefix
 from coordinator.etcd_server import EtcdCluster
 from coordinator.torch_adapter.store import EtcdStore, delete_round
 from tests.chaos.proxy import Mode, TcpFaultProxy
+from tests.integration.store_support import compact_to_head
 from tests.rdzv_helpers import wait_until
 
 pytestmark = pytest.mark.integration
@@ -46,19 +46,6 @@ def direct(etcd1: EtcdCluster, keys: RunKeys) -> Iterator[EtcdClient]:
     finally:
         client.delete_prefix(keys.run_prefix)
         client.close()
-
-
-def compact_to_head(endpoint: str, scratch: bytes) -> int:
-    """Compact etcd's whole history (as an operator's or the chaos suite's compaction)."""
-    host, port = endpoint.rsplit(":", 1)
-    raw = etcd3.client(host=host, port=int(port))
-    try:
-        raw.put(scratch, b"x")
-        revision = int(raw.put(scratch, b"y").header.revision)
-        raw.compact(revision, physical=True)
-        return revision
-    finally:
-        raw.close()
 
 
 # -- exactly once ---------------------------------------------------------------------------
