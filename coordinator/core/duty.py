@@ -47,10 +47,9 @@ from coordinator.core.etcd_client import EtcdClient, Watch, WatchEvent
 from coordinator.core.executor import Commit, Fence, StateExecutor
 from coordinator.core.keys import RunKeys
 from coordinator.core.node_table import NodeTable
-from coordinator.core.state import RdzvState
 from coordinator.core.store_rounds import highest_store_round
 from coordinator.core.threads import DeathListener, start_guarded
-from coordinator.core.transitions import Action, Limits, decide_coordinator
+from coordinator.core.transitions import Action, Limits, decide_coordinator, to_restore
 from coordinator.core.view import StateView
 
 __all__ = ["CoordinatorDuty", "Membership"]
@@ -234,7 +233,7 @@ class CoordinatorDuty:
                 if mod_revision == 0:
                     if store_floor is None:
                         store_floor = highest_store_round(self._client, self._keys.store_root)
-                    known = _to_restore(state, store_floor)
+                    known = to_restore(state, store_floor)
                     if known is not None:
                         result = executor.commit((known, 0), (), fence=fence)
                         if result.succeeded:
@@ -321,17 +320,3 @@ class CoordinatorDuty:
         # Leading again re-reads every node key and watches from there.
         self._resync.set()
         self._signal.set()
-
-
-def _to_restore(last_good: RdzvState, store_floor: int) -> RdzvState | None:
-    """What to write back at an absent state key (None: nothing; a run not formed yet).
-
-    The view's last good state if it is at least as far on as the store shows, else a
-    bare state at the highest round the store still has (its participants are not known:
-    that round then counts as having none alive, so the next one forms).
-    """
-    if (last_good.round or last_good.closed) and last_good.round >= store_floor:
-        return last_good
-    if store_floor > 0:
-        return RdzvState(round=store_floor)
-    return None

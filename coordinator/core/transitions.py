@@ -1,6 +1,6 @@
 """Pure decisions of the rendezvous: what to do, given the state, the nodes and the time.
 
-Two deciders, both free of I/O and of the clock (``now`` is an argument):
+Three deciders, all free of I/O and of the clock (``now`` is an argument):
 
 * :func:`decide_node` — what one node inside ``next_rendezvous()`` does next: ask for the
   next round (JOIN), wait for an event (SYNC), return its rank (FINISH), or fail
@@ -11,6 +11,8 @@ Two deciders, both free of I/O and of the clock (``now`` is an argument):
   REMOVE_FROM_WAIT_LIST, REMOVE_FROM_REDUNDANCY_LIST, MARK_RENDEZVOUS_COMPLETE (which is
   where ADD_TO_PARTICIPANTS happens: ranks are assigned at completion). MARK_RENDEZVOUS_CLOSED
   is committed by whichever node closes the run (:func:`close`).
+* :func:`to_restore` — what the coordinator writes back at a state key found absent
+  (deleted by hand), so the rounds go on from the last one.
 
 Round rules (DESIGN §4): nodes ask for ``state.round + 1``. A round may form once it is
 *open*: it is the first round, or a live participant of the last round asked for it
@@ -39,6 +41,7 @@ __all__ = [
     "close",
     "decide_coordinator",
     "decide_node",
+    "to_restore",
 ]
 
 
@@ -290,3 +293,25 @@ def close(state: RdzvState, reason: str, mode: CloseMode = "finished") -> tuple[
     if state.closed:
         return ()
     return (Action(ActionKind.MARK_RENDEZVOUS_CLOSED, reason=reason, mode=mode),)
+
+
+def to_restore(last_good: RdzvState, store_floor: int) -> RdzvState | None:
+    """What the coordinator writes back at an absent state key (None: nothing to write,
+    a run that never formed a round).
+
+    Args:
+        last_good: the last state this node's view decoded (the initial state if none).
+        store_floor: the highest round that still has store keys in etcd (0: none).
+
+    Returns:
+        ``last_good`` if it is at least as far on as the store shows (every field kept, so
+        running participants keep their ranks); else a bare state at ``store_floor``
+        (its participants are unknown: that round counts as having none alive, so the
+        next round forms from whoever asks for it). Never a round below ``store_floor``:
+        a round's store keys must not be reused by a second round of the same number.
+    """
+    if (last_good.round or last_good.closed) and last_good.round >= store_floor:
+        return last_good
+    if store_floor > 0:
+        return RdzvState(round=store_floor)
+    return None

@@ -19,8 +19,11 @@ from typing import Any
 import pytest
 
 from coordinator.core.etcd_client import EtcdClient, EtcdConfig, TxnResult, WatchEvent
+from coordinator.core.executor import StateExecutor
 from coordinator.core.keys import RunKeys
+from coordinator.core.state import RdzvState
 from coordinator.core.store_rounds import ops_prefix
+from coordinator.core.transitions import Action, ActionKind
 from coordinator.etcd_server import EtcdCluster
 from coordinator.torch_adapter.store import EtcdStore, delete_round
 from tests.chaos.proxy import Mode, TcpFaultProxy
@@ -72,6 +75,19 @@ def test_replaying_an_add_or_append_applies_it_once(direct: EtcdClient, keys: Ru
     # Deleting the round takes its markers too.
     assert delete_round(direct, keys.store_root, 1) == 2
     assert direct.get_prefix(keys.store_root, keys_only=True)[0] == []
+
+
+def test_a_completing_round_removes_the_markers_two_rounds_back(
+    direct: EtcdClient, keys: RunKeys
+) -> None:
+    for round_ in (1, 2):
+        assert EtcdStore(direct, keys.store_prefix(round_), LONG).add("n", 1) == 1
+    executor = StateExecutor(direct, keys, written_by="test")
+    complete = Action(ActionKind.MARK_RENDEZVOUS_COMPLETE, node_ids=("node-a",))
+    assert executor.commit((RdzvState(round=2, participants=("node-a",)), 0), [complete]).succeeded
+    kvs, _ = direct.get_prefix(keys.store_root, keys_only=True)
+    folders = {kv.key[len(keys.store_root) :].split(b"/")[0] for kv in kvs}
+    assert folders == {b"2", b"2~ops"}  # round 1's keys and markers went in that commit
 
 
 class _ResendsEveryWrite(EtcdClient):
