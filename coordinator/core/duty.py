@@ -184,8 +184,18 @@ class CoordinatorDuty:
             gone.set()  # re-check from scratch
             self._signal.set()
 
+        def on_error(error: Exception) -> None:
+            # The watch ended (etcd cancelled it, or the watch thread died): re-check from
+            # scratch with a new one rather than wait for a delete that can no longer come.
+            log.info("coordinator duty: watch of predecessor ended (%s); re-checking", error)
+            on_compacted(0)
+
         watch, (kv, _) = self._client.watch_then_read(
-            predecessor, lambda: self._client.get(predecessor), on_events, on_compacted
+            predecessor,
+            lambda: self._client.get(predecessor),
+            on_events,
+            on_compacted,
+            on_error=on_error,
         )
         try:
             if kv is None:
@@ -304,6 +314,7 @@ class CoordinatorDuty:
             self._on_node_events,
             self._on_nodes_compacted,
             prefix=True,
+            on_error=self._on_nodes_watch_error,
         )
         with self._nodes_lock:
             self._nodes.load(kvs, revision)
@@ -320,3 +331,9 @@ class CoordinatorDuty:
         # Leading again re-reads every node key and watches from there.
         self._resync.set()
         self._signal.set()
+
+    def _on_nodes_watch_error(self, error: Exception) -> None:
+        # The node watch ended for good (etcd cancelled it, or the watch thread died): a
+        # leader that kept its table would decide from joins it no longer hears of.
+        log.warning("coordinator duty: watch of the node keys ended (%s); re-reading", error)
+        self._on_nodes_compacted(0)

@@ -17,6 +17,7 @@ import pytest
 
 from coordinator.core.duty import CoordinatorDuty, Membership
 from coordinator.core.etcd_client import EtcdClient, EtcdConfig
+from coordinator.core.keys import RunKeys
 from coordinator.core.state import RdzvState, encode_state
 from coordinator.core.threads import ThreadDied
 from coordinator.core.transitions import Limits
@@ -173,3 +174,62 @@ def test_a_duty_thread_that_dies_is_reported(etcd1: EtcdCluster, run: Run) -> No
         "background thread 'rdzv-coordinator' died: RuntimeError: injected bug"
     ]
     assert isinstance(deaths[0].__cause__, RuntimeError)
+
+
+def test_a_leader_whose_node_watch_was_compacted_reads_the_joins_again(
+    etcd1: EtcdCluster, run: Run, proxy: TcpFaultProxy
+) -> None:
+    """node-b joins while the leader's stream is broken and the history is compacted: the
+    leader's node watch resumes into a compaction, and it must re-read the node keys (else
+    it never hears of node-b and round 1 never forms)."""
+    a, b = run.node("node-a"), run.node("node-b")
+    me = a.join(1)
+    client = EtcdClient(EtcdConfig(endpoints=(proxy.endpoint,), retry_budget=5))
+    view = StateView(client, run.keys.state)
+    duty = CoordinatorDuty(client, run.keys, view, Limits(2, 2, 30.0), lambda: me)
+    try:
+        view.start()
+        duty.start()
+        wait_until(lambda: duty.is_leader, 30, "node-a to lead")
+        resets = proxy.stats.reset
+        proxy.set_mode(Mode.RESET)
+        wait_until(lambda: proxy.stats.reset > resets, 10, "the stream's connection reset")
+        b.join(1)
+        compact_to_head(etcd1.endpoints[0], run.keys.run_prefix + b"scratch")
+        proxy.set_mode(Mode.PASS)
+        wait_until(lambda: (run.state()[0] or RdzvState()).round == 1, 30, "round 1")
+    finally:
+        proxy.set_mode(Mode.PASS)
+        duty.stop()
+        view.close()
+        client.close()
+    state, _ = run.state()
+    assert state is not None and state.participants == ("node-a", "node-b")
+
+
+def test_a_view_whose_member_was_killed_and_history_compacted_reads_again(
+    fresh_cluster3: EtcdCluster, run_id: str
+) -> None:
+    """The view's client knows one member; it is killed, the state changes and the history
+    is compacted through the others, and it comes back: the view's watch resumes into a
+    compaction and the view re-reads."""
+    keys = RunKeys("/etcd-elastic-test", run_id)
+    one = EtcdClient(EtcdConfig(endpoints=(fresh_cluster3.endpoints[0],)))
+    others = EtcdClient(EtcdConfig(endpoints=tuple(fresh_cluster3.endpoints[1:])))
+    view = StateView(one, keys.state)
+    try:
+        others.put(keys.state, _state(1))
+        view.start()
+        assert view.peek().round == 1
+        fresh_cluster3.kill(0)
+        others.put(keys.state, _state(2))
+        compact_to_head(fresh_cluster3.endpoints[1], keys.run_prefix + b"scratch")
+        fresh_cluster3.restart(0)
+        wait_until(lambda: view.peek().round == 2, 60, "the view to re-read")
+        others.put(keys.state, _state(3))
+        wait_until(lambda: view.peek().round == 3, 30, "the view to follow the key")
+    finally:
+        view.close()
+        one.close()
+        others.close()
+    assert view.rewatches == 1
