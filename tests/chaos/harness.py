@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -28,6 +29,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 
 from agent.history import HISTORY_ENV, HistoryWriter, read_history
 from coordinator.etcd_server import EtcdCluster
@@ -217,6 +219,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one chaos run from the command line; 0 only with zero violations."""
     args = _parser().parse_args(argv)
@@ -235,7 +241,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         out_dir=args.out,
         budget_s=args.budget,
     )
-    result = run_chaos(cfg)
+    # SIGTERM (a CI job cancelled, `timeout`) unwinds like Ctrl-C, so run_chaos's
+    # finally still reaps every agent, worker and etcd member it started.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        result = run_chaos(cfg)
+    except KeyboardInterrupt:
+        print("chaos: interrupted; every process of the run was stopped", file=sys.stderr)
+        return 130
     print(result.summary())
     if result.violations:
         print(f"chaos: FAILED; history kept in {result.history}", file=sys.stderr)
