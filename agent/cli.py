@@ -17,9 +17,7 @@ import argparse
 import contextlib
 import dataclasses
 import logging
-import math
 import os
-import re
 import signal
 import sys
 import uuid
@@ -29,7 +27,16 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from agent import devices
 from agent.cli_parser import IGNORED_FLAGS, build_parser
-from agent.config import LaunchConfig, Std
+from agent.cli_values import (
+    UsageError,
+    parse_nnodes,
+    parse_ranks_filter,
+    parse_rdzv_conf,
+    parse_seconds,
+    parse_std_map,
+    parse_whole,
+)
+from agent.config import LaunchConfig
 from coordinator.core.errors import ConfigError
 from coordinator.core.keys import validate_run_id
 from coordinator.core.settings import RendezvousSettings, parse_endpoints
@@ -42,119 +49,9 @@ log = logging.getLogger(__name__)
 BACKENDS = ("etcd-v2", "etcd-v3")
 """Accepted ``--rdzv-backend`` names; both mean this project's etcd v3 rendezvous."""
 
-_STD_VALUE = re.compile(r"[0-3]")
-_STD_MAPPING = re.compile(r"\d+:[0-3](,\d+:[0-3])*")
 # Stands in for the embedded etcd's endpoint, which exists only once it has started,
 # when --standalone settings are validated.
 _STANDALONE_PLACEHOLDER = "127.0.0.1:2379"
-
-
-class UsageError(ValueError):
-    """A command-line value is invalid: ``flag`` names the option, ``reason`` the fix."""
-
-    def __init__(self, flag: str, reason: str) -> None:
-        super().__init__(f"{flag}: {reason}")
-        self.flag = flag
-        self.reason = reason
-
-
-# -- values --------------------------------------------------------------------------------
-
-
-def _nnodes(text: str) -> tuple[int, int]:
-    parts = text.split(":")
-    if len(parts) > 2:
-        raise UsageError("--nnodes", f"{text!r} is not N or MIN:MAX; give e.g. 2 or 1:4")
-    numbers: list[int] = []
-    for part in parts:
-        try:
-            numbers.append(int(part))
-        except ValueError:
-            raise UsageError(
-                "--nnodes", f"{text!r} is not a number of nodes; give N or MIN:MAX, e.g. 2 or 1:4"
-            ) from None
-    low, high = numbers[0], numbers[-1]
-    if low < 1:
-        raise UsageError(
-            "--nnodes", f"{text!r} allows {low} nodes; a job needs at least 1, e.g. 2 or 1:4"
-        )
-    if low > high:
-        raise UsageError(
-            "--nnodes",
-            f"minimum {low} is greater than maximum {high}; give MIN:MAX with MIN <= MAX",
-        )
-    return low, high
-
-
-def _whole(flag: str, text: str, *, low: int, high: int | None = None, what: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise UsageError(flag, f"{text!r} is not a whole number; give {what}") from None
-    if value < low or (high is not None and value > high):
-        raise UsageError(flag, f"{value} is out of range; give {what}")
-    return value
-
-
-def _seconds(flag: str, text: str, *, zero_ok: bool) -> float:
-    what = "0 or more seconds" if zero_ok else "a number of seconds above 0"
-    try:
-        value = float(text)
-    except ValueError:
-        raise UsageError(flag, f"{text!r} is not a number; give {what}") from None
-    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
-        raise UsageError(flag, f"{text!r} is out of range; give {what}")
-    return value
-
-
-def _rdzv_conf(text: str) -> dict[str, str]:
-    conf: dict[str, str] = {}
-    for item in (part.strip() for part in text.split(",")):
-        if not item:
-            continue
-        key, sep, value = (s.strip() for s in item.partition("="))
-        if not sep or not key:
-            raise UsageError(
-                "--rdzv-conf",
-                f"{item!r} is not key=value; give pairs separated by commas, "
-                "e.g. join_timeout=600,lease_ttl=5",
-            )
-        if not value:
-            raise UsageError("--rdzv-conf", f"{key!r} has no value; give {key}=<value>")
-        conf[key] = value
-    return conf
-
-
-def _std_map(flag: str, text: str, nproc: int) -> dict[int, Std]:
-    """torch's ``Std.from_str`` then ``to_map``: every local rank gets a value."""
-    text = text.strip()
-    if _STD_VALUE.fullmatch(text):
-        return dict.fromkeys(range(nproc), int(text))
-    if _STD_MAPPING.fullmatch(text):
-        given = {int(r): int(v) for r, v in (pair.split(":") for pair in text.split(","))}
-        # As in torch: ranks not named get 0 (nothing redirected); ranks beyond this
-        # node's worker count are ignored, so one command line fits nodes of any size.
-        return {rank: given.get(rank, 0) for rank in range(nproc)}
-    raise UsageError(
-        flag,
-        f"{text!r} is neither 0-3 nor LOCAL_RANK:0-3 pairs; give e.g. 3 (stdout and stderr "
-        "of every worker) or 0:1,1:2 (stdout of rank 0, stderr of rank 1)",
-    )
-
-
-def _ranks_filter(text: str) -> frozenset[int] | None:
-    if not text.strip():
-        return None
-    try:
-        ranks = frozenset(int(part) for part in text.split(","))
-    except ValueError:
-        ranks = frozenset({-1})
-    if min(ranks) < 0:
-        raise UsageError(
-            "--local-ranks-filter",
-            f"{text!r} is not a list of local ranks; give comma-separated numbers, e.g. 0,1",
-        )
-    return ranks
 
 
 def _settings_error(exc: ConfigError) -> UsageError:
@@ -235,7 +132,7 @@ def _config(
     cuda_device_count: Callable[[], int],
     cpu_count: Callable[[], int],
 ) -> LaunchConfig:
-    min_nodes, max_nodes = _nnodes(ns.nnodes)
+    min_nodes, max_nodes = parse_nnodes(ns.nnodes)
     try:
         nproc = devices.resolve_nproc(
             ns.nproc_per_node, cuda_device_count=cuda_device_count, cpu_count=cpu_count
@@ -292,7 +189,7 @@ def _config(
         rdzv_backend=backend,
         rdzv_endpoint=endpoint,
         rdzv_id=rdzv_id,
-        rdzv_conf=_rdzv_conf(ns.rdzv_conf),
+        rdzv_conf=parse_rdzv_conf(ns.rdzv_conf),
         standalone=standalone,
         local_addr=local_addr,
     )
@@ -300,27 +197,29 @@ def _config(
     shutdown = ns.shutdown_timeout
     config = dataclasses.replace(
         config,
-        max_restarts=_whole("--max-restarts", ns.max_restarts, low=0, what="0 or more restarts"),
-        monitor_interval=_seconds("--monitor-interval", ns.monitor_interval, zero_ok=False),
-        exit_barrier_timeout=_seconds(
+        max_restarts=parse_whole(
+            "--max-restarts", ns.max_restarts, low=0, what="0 or more restarts"
+        ),
+        monitor_interval=parse_seconds("--monitor-interval", ns.monitor_interval, zero_ok=False),
+        exit_barrier_timeout=parse_seconds(
             "--exit-barrier-timeout", ns.exit_barrier_timeout, zero_ok=True
         ),
         stop_grace_period=(
             config.stop_grace_period
             if shutdown is None
-            else _seconds("--shutdown-timeout", shutdown, zero_ok=True)
+            else parse_seconds("--shutdown-timeout", shutdown, zero_ok=True)
         ),
         role=ns.role.strip(),
         log_dir=ns.log_dir or None,
-        redirects=_std_map("--redirects", ns.redirects, nproc),
-        tee=_std_map("--tee", ns.tee, nproc),
-        local_ranks_filter=_ranks_filter(ns.local_ranks_filter),
-        node_rank=_whole("--node-rank", ns.node_rank, low=0, what="0 or more"),
+        redirects=parse_std_map("--redirects", ns.redirects, nproc),
+        tee=parse_std_map("--tee", ns.tee, nproc),
+        local_ranks_filter=parse_ranks_filter(ns.local_ranks_filter),
+        node_rank=parse_whole("--node-rank", ns.node_rank, low=0, what="0 or more"),
         master_addr=master_addr.strip() if master_addr else None,
         master_port=(
             None
             if master_port is None
-            else _whole("--master-port", master_port, low=1, high=65535, what="a port 1-65535")
+            else parse_whole("--master-port", master_port, low=1, high=65535, what="a port 1-65535")
         ),
     )
     if ns.start_method not in ("spawn", "fork", "forkserver"):
