@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 # Re-watch backoff: etcd may be down for a while; waits grow to a few seconds, jittered.
 _REWATCH_BASE_S = 0.1
 _REWATCH_CAP_S = 5.0
+# How long one re-watch waits for etcd to confirm it: short, so that close() (which joins
+# the re-watch thread) never waits out a whole retry budget during an outage.
+_REWATCH_CONFIRM_S = 5.0
 
 
 class StateView:
@@ -94,9 +97,9 @@ class StateView:
         Raises:
             EtcdConnectionError: etcd did not answer (the view is not started).
         """
-        self._watch_and_read()
+        self._watch_and_read(None)
 
-    def _watch_and_read(self) -> None:
+    def _watch_and_read(self, confirm_timeout: float | None) -> None:
         # Events at or before the read's revision are dropped by _set, in whichever order
         # they come.
         watch, (kv, revision) = self._client.watch_then_read(
@@ -105,6 +108,7 @@ class StateView:
             self._on_events,
             self._on_compacted,
             on_error=self._on_watch_error,
+            timeout=confirm_timeout,
         )
         with self._cond:
             if self._closed:
@@ -167,7 +171,7 @@ class StateView:
                     return
                 self._resync_wanted = False
             try:
-                self._watch_and_read()
+                self._watch_and_read(_REWATCH_CONFIRM_S)
             except EtcdElasticError as exc:
                 # etcd unreachable or refusing for now: the view keeps its last state and
                 # tries again; it must not stop following the key for good.
