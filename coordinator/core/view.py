@@ -110,11 +110,16 @@ class StateView:
             on_error=self._on_watch_error,
             timeout=confirm_timeout,
         )
+        # Cancel outside the view's lock: a watch callback holds the watch's lock while it
+        # waits for the view's (lock order: watch, then view).
         with self._cond:
-            if self._closed:
-                watch.cancel()
-                return
-            old, self._watch = self._watch, watch
+            closed = self._closed
+            old = None if closed else self._watch
+            if not closed:
+                self._watch = watch
+        if closed:
+            watch.cancel()
+            return
         if old is not None:
             old.cancel()
         self._set(kv, revision)
