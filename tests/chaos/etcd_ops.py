@@ -17,6 +17,7 @@ from pathlib import Path
 
 from agent.history import HistoryWriter
 from coordinator.etcd_server import EtcdCluster, find_etcd_binary, wheel_etcd_binary
+from tests.chaos.round_watch import RoundWatch
 
 __all__ = ["EtcdOps", "HarnessError", "chaos_etcd_binary", "etcdctl_binary"]
 
@@ -91,6 +92,10 @@ class EtcdOps:
         except Exception as exc:
             raise HarnessError(f"etcd member {index} did not come back: {exc}") from exc
         self._history.record("etcd_started", member=index)
+
+    def round_watch(self, key: str) -> RoundWatch:
+        """An ``etcdctl watch`` of the run's state key (start it with ``with``)."""
+        return RoundWatch(etcdctl_binary(self.cluster.binary), self.cluster.endpoint_list, key)
 
     def kill_all(self) -> None:
         for index in range(len(self.cluster.members)):

@@ -11,10 +11,10 @@ leaves the next one a broken cluster.
 
 Timed faults: ``formation_fault`` injects its second fault when the first agent reports
 ``workers_stopped`` after the first kill (the nodes start re-forming);
-``rank_exchange_fault`` kills its agent the moment an agent reports a new ``round``
-(ranks are being exchanged). Without agent events (an agent that writes no history),
-the runner falls back on TTL + 0.2 s and 1 s after the trigger, which only approximates
-those windows; the checker then fails ``history_complete`` anyway.
+``rank_exchange_fault`` kills its agent the moment etcd commits the next round (ranks
+are being exchanged; see ``round_watch.py``). Without agent events (an agent that
+writes no history) the formation trigger falls back on TTL + 0.2 s after the kill, which
+only approximates that window; the checker then fails ``history_complete`` anyway.
 """
 
 from __future__ import annotations
@@ -68,12 +68,14 @@ class FaultRunner:
         agents: int,
         nproc: int,
         min_nodes: int,
+        state_key: str,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.fleet, self.etcd, self.tail, self.history = fleet, etcd, tail, history
         self.timing = timing
         self.agents, self.nproc, self.min_nodes = agents, nproc, min_nodes
+        self.state_key = state_key
         self._clock, self._sleep = clock, sleep
 
     # -- waiting ---------------------------------------------------------------------------
@@ -310,13 +312,21 @@ class FaultRunner:
                 self.wait(fault.duration)
 
     def _rank_exchange_fault(self, fault: Fault) -> None:
-        before = self.tail.max_round
-        self._worker_sigkill(fault)
-        found = self.tail.agent_events > 0 and self._wait_until(
-            lambda: self.tail.max_round > before,
-            self.timing.lease_ttl + 10.0,
-            self.timing.trigger_poll_s,
-        )
-        if not found:
-            self.wait(1.0)  # no agent `round` events to time it by: a guess
+        """A worker killed (every node re-forms), then another agent killed the moment
+        etcd commits the next round, while the nodes exchange ranks."""
+        start = self._clock()
+        with self.etcd.round_watch(self.state_key) as watch:
+            before = watch.current
+            self._worker_sigkill(fault)
+            newer = watch.wait_newer(
+                before, self.timing.lease_ttl + 10.0, tick=lambda: self.fleet.poll(self._clock())
+            )
         self._remove(self._target(fault.other), signal.SIGKILL)
+        self.history.record(
+            "trigger",
+            index=fault.index,
+            what=f"round {newer} committed (after {before})"
+            if newer is not None
+            else f"no round after {before} committed: the kill is not timed into an exchange",
+            after_s=round(self._clock() - start, 3),
+        )

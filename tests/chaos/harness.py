@@ -43,6 +43,8 @@ from tests.chaos.tail import HistoryTail
 
 __all__ = ["ChaosConfig", "ChaosResult", "main", "run_chaos"]
 
+KEY_PREFIX = "/etcd-elastic"  # the agents' default key_prefix (docs/keys.md)
+
 
 @dataclass(frozen=True)
 class ChaosConfig:
@@ -139,6 +141,7 @@ def run_chaos(cfg: ChaosConfig) -> ChaosResult:
         agents=cfg.agents,
         nproc=cfg.nproc,
         min_nodes=cfg.min_nodes,
+        state_key=f"{KEY_PREFIX}/{run_id}/state",
     )
     executed, aborted, leftovers = 0, "", []
     try:

@@ -3,6 +3,7 @@ brought back from their data, the whole cluster down and up, compaction twice.""
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,7 +11,8 @@ import pytest
 
 from agent.history import HistoryWriter, read_history
 from coordinator.etcd_server import EtcdCluster
-from tests.chaos.etcd_ops import EtcdOps, chaos_etcd_binary
+from tests.chaos.etcd_ops import EtcdOps, chaos_etcd_binary, etcdctl_binary
+from tests.chaos.round_watch import state_round
 
 pytestmark = [pytest.mark.chaos, pytest.mark.integration]
 
@@ -47,3 +49,29 @@ def test_compaction_and_defragmentation_twice(ops: EtcdOps, tmp_path: Path) -> N
     ops.compact_defrag()  # nothing written since: the second compaction is not an error
     names = [e["event"] for e in read_history(tmp_path / "h.jsonl")]
     assert names.count("compacted") == 2 and names.count("defragmented") == 6
+
+
+def test_round_watch_reports_the_first_newer_round_committed(ops: EtcdOps) -> None:
+    key = "/etcd-elastic/t-round-watch/state"
+    etcdctl = [str(etcdctl_binary(ops.cluster.binary)), f"--endpoints={ops.cluster.endpoint_list}"]
+
+    def put(value: str) -> None:
+        subprocess.run([*etcdctl, "put", key, value], check=True, capture_output=True, timeout=30)
+
+    with ops.round_watch(key) as watch:
+        assert watch.current == 0  # no state yet: no round completed
+    put('{"round": "2", "complete": true}')
+    with ops.round_watch(key) as watch:
+        assert watch.current == 2
+        put('{"round": "2", "wait_list": [{"node_id": "n"}]}')  # same round: not newer
+        put("not json")  # unreadable: not newer
+        put('{"round": "3", "complete": true}')
+        assert watch.wait_newer(2, timeout=20.0) == 3
+        assert watch.wait_newer(3, timeout=0.2) is None
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [(b'{"round": "7"}', 7), (b"{}", 0), (b"junk", -1), (b"[1]", -1)]
+)
+def test_state_round(value: bytes, expected: int) -> None:
+    assert state_round(value) == expected
