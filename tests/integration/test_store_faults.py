@@ -148,7 +148,7 @@ def test_an_add_whose_reply_a_connection_reset_lost_counts_once(
         try:
             watch.wait_created()
             client.get(counter)  # connected: the next request is the add's
-            proxy.set_mode(Mode.DELAY, delay=2.0)
+            proxy.set_mode(Mode.DELAY, delay=3.0)
             adder.start()
             assert committed.wait(30), "the add never reached etcd"
             wait_until(lambda: proxy.stats.reset >= 1, 10, "the reset of the reply's connection")
