@@ -84,12 +84,13 @@ class ChaosResult:
     executed: int
     seconds: float
     leftovers: list[int] = field(default_factory=list)
+    kept: bool = True  # the run's folder is still there
 
     def summary(self) -> str:
+        where = f"history {self.history}" if self.kept else "run folder removed (no violation)"
         return (
             f"chaos run: {self.executed} of {self.planned} faults in {self.seconds:.0f} s; "
-            f"history {self.history}\n{format_table(self.rows)}\n"
-            f"{format_violations(self.violations)}"
+            f"{where}\n{format_table(self.rows)}\n{format_violations(self.violations)}"
         )
 
 
@@ -203,6 +204,7 @@ def run_chaos(cfg: ChaosConfig) -> ChaosResult:
     )
     if own_dir and not result.violations:
         shutil.rmtree(out, ignore_errors=True)
+        result.kept = False
     return result
 
 
