@@ -4,7 +4,7 @@ Agent events are documented in ``agent/history.py``, worker events in
 ``tests/chaos/worker.py``. The harness (``src="harness"``) records:
 
 ``run_start`` {run, seed, faults, agents, nproc, min_nodes, max_nodes, lease_ttl,
-step_s, endpoints}
+step_s, endpoints, etcd}
     Before the first agent starts; the checker takes its bounds from here.
 ``agent_started`` {slot, agent_pid}
     An ``etcdrun`` process started in agent slot ``slot``. The harness does not know
@@ -33,6 +33,10 @@ disruptive, pids}
 ``fault_end`` {index, kind}
     The fault's own actions are over (members back, proxies passing, agent thawed);
     recovery may still be under way.
+``trigger`` {index, what, after_s}
+    A timed fault (``formation_fault``, ``rank_exchange_fault``) saw the moment it waits
+    for (or not: ``what`` says so) and injects its second action ``after_s`` seconds
+    after its start.
 ``settled`` {index, waited_s} / ``settle_timeout`` {index, waited_s, what}
     The job (did not) reach its steady state (every slot's agent in one round, all
     ranks stepping) before the next fault.

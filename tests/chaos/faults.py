@@ -305,6 +305,14 @@ class FaultRunner:
         if not found:
             # No agent said it stopped its workers (or none writes a history): a guess.
             self.wait(max(0.0, start + self.timing.lease_ttl + 0.2 - self._clock()))
+        self.history.record(
+            "trigger",
+            index=fault.index,
+            what="an agent stopped its workers to re-form"
+            if found
+            else "no agent reported re-forming: second fault one TTL after the kill",
+            after_s=round(self._clock() - start, 3),
+        )
         if fault.inner == "agent_sigkill":
             self._remove(self._target(fault.other), signal.SIGKILL)
         else:
