@@ -158,7 +158,10 @@ def test_duty_waits_on_an_unreadable_state_and_resumes_on_a_valid_one(
     ]
 
 
-def test_duty_writes_back_a_deleted_state_and_the_rounds_go_on(view: StateView, run: Run) -> None:
+def test_duty_writes_back_a_deleted_state_and_the_rounds_go_on(
+    view: StateView, run: Run, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="coordinator.core.duty")
     a, b = run.node("node-a"), run.node("node-b")
     me = a.join(1)
     b.join(1)
@@ -182,6 +185,9 @@ def test_duty_writes_back_a_deleted_state_and_the_rounds_go_on(view: StateView, 
         wait_until(lambda: (run.state()[0] or RdzvState()).round == 3, 30, "round 3")
     finally:
         duty.stop()
+    assert _records(caplog, logging.WARNING, "was gone") == [
+        f"run {run.keys.run_id}: the state key was gone; wrote back round 2"
+    ]
 
 
 def test_a_coordinator_that_never_saw_the_state_continues_from_the_store(

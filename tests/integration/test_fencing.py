@@ -13,6 +13,7 @@ shows that it commits: the fenced assertions are not true by accident.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -98,10 +99,15 @@ class _FreezesBeforeCommit(EtcdClient):
 @pytest.mark.parametrize("fenced", [True, False], ids=["fenced", "broken-variant-unfenced"])
 @pytest.mark.parametrize("afterwards", ["key-gone", "key-re-created"])
 def test_a_coordinator_frozen_past_its_ttl_cannot_commit(
-    etcd1: EtcdCluster, run: Run, fenced: bool, afterwards: str
+    etcd1: EtcdCluster,
+    run: Run,
+    fenced: bool,
+    afterwards: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The real duty: it decides to complete round 1 with nodes a (itself) and b, freezes
     before the commit leaves, its lease expires, it resumes and sends the commit."""
+    caplog.set_level(logging.WARNING, logger="coordinator.core.duty")
     a, b = run.node("node-a"), run.node("node-b")
     current: list[Membership | None] = [a.join(1)]
     client = _FreezesBeforeCommit(
@@ -127,6 +133,10 @@ def test_a_coordinator_frozen_past_its_ttl_cannot_commit(
             wait_until(lambda: not duty.is_leader, 30, "node-a to step down")
             assert duty.fenced_out == 1 and duty.commits == 0
             assert run.state() == (None, 0)
+            assert [r.getMessage() for r in caplog.records if "no longer" in r.getMessage()] == [
+                f"node node-a: no longer coordinates run {run.keys.run_id}: its key is gone or "
+                "new; a commit decided from what it saw before was refused"
+            ]
         else:  # the broken variant commits a round naming a node whose lease ended
             assert first.succeeded
             state, _ = run.state()
