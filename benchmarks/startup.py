@@ -4,8 +4,9 @@ how long the command-line tools take from exec to exit.
 Each command is a whole process run the way an operator runs it (the console scripts
 ``.venv/bin/rdzvctl`` and ``.venv/bin/etcdrun``), timed from ``subprocess.run`` to its
 exit; its exit code and output are checked, so a command that fails fast cannot pass for
-a fast one. The commands take turns (run 1 of every command, then run 2, ...), so a burst
-of load from other work on the machine hits them all alike.
+a fast one. The commands take turns (run 1 of every command in a shuffled order, then run
+2, ...), so a burst of load from other work on the machine hits them all alike, and none
+always follows the heavy ``etcdrun --help``.
 
 Against a live single-member etcd started here (``coordinator.etcd_server.EtcdCluster``)
 holding a real run: three rendezvous handlers of this package formed round 1 and keep
@@ -21,18 +22,21 @@ modules (an editable install) are compiled from source at every start.
 Each run also records the CPU time of the process (user + system), which load from
 other work on the machine inflates far less than the wall time. ``--compare RDZVCTL``
 times a second ``rdzvctl`` (say, another commit's) in the same rotation. For every Python
-command, one more run under ``-X importtime`` reports what its imports cost by package
-(milliseconds; a package's figure includes what it imports, so ``coordinator`` includes
-grpc when the core loads it).
+command, five more runs under ``-X importtime`` report what its imports cost by package
+(median milliseconds; a package's figure includes what it imports, so ``coordinator``
+includes grpc when the core loads it).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import random
 import re
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,6 +56,8 @@ __all__ = ["Command", "import_costs", "main", "spread"]
 BIN = Path(sys.executable).parent
 RUN_ID = "startup-bench"
 NODES = 3
+# Runs under -X importtime per Python command; the median of each package is reported.
+PROFILED = 5
 # Top-level packages whose import cost explains a start-up time.
 PACKAGES = ("grpc", "etcd3", "google.protobuf", "torch", "coordinator", "agent")
 _IMPORT_LINE = re.compile(r"import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)")
@@ -213,7 +219,13 @@ def _commands(cluster: EtcdCluster, compare: Path | None) -> list[Command]:
 def measure(
     runs: int, pyc: str, compare: Path | None, progress: Callable[[str], None]
 ) -> dict[str, Any]:
-    """Start etcd, form a run, time every command ``runs`` times; return the JSON result."""
+    """Start etcd, form a run, time every command ``runs`` times; return the JSON result.
+
+    A command that fails (a broken console script, say) leaves the rotation; its error is
+    in the result, and the other commands go on.
+    """
+    load_before = list(os.getloadavg())
+    failed: dict[str, str] = {}
     with (
         tempfile.TemporaryDirectory(prefix="startup-pyc-") as cache,
         EtcdCluster(1) as cluster,
@@ -221,28 +233,48 @@ def measure(
     ):
         commands = _commands(cluster, compare)
         env = _environ(pyc, Path(cache))
-        for command in commands:  # untimed: fills the bytecode cache, warms the page cache
-            _run(command, env)
         samples: dict[str, list[float]] = {c.name: [] for c in commands}
         cpu: dict[str, list[float]] = {c.name: [] for c in commands}
+        imports: dict[str, dict[str, float]] = {}
+
+        def attempt(command: Command, environ: Mapping[str, str]) -> tuple[float, float, str]:
+            try:
+                return _run(command, environ)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                failed[command.name] = str(exc)
+                raise
+
+        # Untimed first run of each: fills the bytecode cache, warms the page cache.
+        for command in commands:
+            with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+                attempt(command, env)
+        order = random.Random(0)  # seeded: the same sequence of orders every time
         for i in range(runs):
             progress(f"run {i + 1}/{runs}")
-            for command in commands:
-                wall, used, _ = _run(command, env)
-                samples[command.name].append(wall)
-                cpu[command.name].append(used)
-        imports = {
-            c.name: import_costs(_run(c, {**env, "PYTHONPROFILEIMPORTTIME": "1"})[2])
-            for c in commands
-            if c.python
-        }
+            rotation = [c for c in commands if c.name not in failed]
+            order.shuffle(rotation)  # no command always runs right after the heavy one
+            for command in rotation:
+                with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+                    wall, used, _ = attempt(command, env)
+                    samples[command.name].append(wall)
+                    cpu[command.name].append(used)
+        profiled = {**env, "PYTHONPROFILEIMPORTTIME": "1"}
+        for command in [c for c in commands if c.python and c.name not in failed]:
+            with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+                costs = [import_costs(attempt(command, profiled)[2]) for _ in range(PROFILED)]
+                imports[command.name] = {
+                    p: round(statistics.median(c.get(p, 0.0) for c in costs), 1)
+                    for p in PACKAGES
+                    if any(p in c for c in costs)
+                }
     return {
         "scenario": "startup",
         "unit": "seconds from exec to exit",
         "pyc": pyc,
         "compared_rdzvctl": None if compare is None else str(compare),
         "runs": runs,
-        "load_average": list(os.getloadavg()),
+        "load_average_before": load_before,
+        "load_average_after": list(os.getloadavg()),
         "cpus": os.cpu_count(),
         "commands": {
             name: {
@@ -250,6 +282,7 @@ def measure(
                 "samples": [round(v, 4) for v in values],
                 "cpu_seconds": spread(cpu[name]),
                 "import_ms": imports.get(name),
+                "error": failed.get(name),
             }
             for name, values in samples.items()
         },
@@ -259,6 +292,9 @@ def measure(
 def _print_human(result: dict[str, Any]) -> None:
     print(f"start-up, {result['runs']} runs each, bytecode {result['pyc']} (seconds)")
     for name, entry in result["commands"].items():
+        if entry["error"] is not None:
+            print(f"  {name:26} failed: {entry['error']}")
+            continue
         line = (
             f"  {name:26} median {entry['median']:.3f}  min {entry['min']:.3f}  "
             f"max {entry['max']:.3f}  iqr {entry['iqr']:.3f}  "
@@ -269,6 +305,7 @@ def _print_human(result: dict[str, Any]) -> None:
                 f"{p} {ms:g} ms" for p, ms in entry["import_ms"].items()
             )
         print(line)
+    print(f"  load average {result['load_average_before']} -> {result['load_average_after']}")
 
 
 def _runs(text: str) -> int:
