@@ -233,7 +233,13 @@ class CoordinatorDuty:
                     state, mod_revision = self._view.snapshot()
                 except CorruptValueError as exc:
                     if not paused:
-                        log.error("run %s: not coordinating until %s", self._keys.run_id, exc)
+                        # The view logs the error with the key once; this says what the
+                        # duty does about it, without repeating it.
+                        log.error(
+                            "run %s: not coordinating while the state key is unreadable (%s)",
+                            self._keys.run_id,
+                            exc.reason,
+                        )
                     paused = True
                     self._signal.wait(None)
                     continue

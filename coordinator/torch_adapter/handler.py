@@ -281,8 +281,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     @torch_errors
     def is_closed(self) -> bool:
-        state, _ = self._participation().view.snapshot()
-        return state.closed
+        # From memory and never raising: a running agent asks this every tick, and an
+        # unreadable state (an operator's stray put) must not end its training.
+        return self._participation().view.peek().closed
 
     @torch_errors
     def set_closed(self, reason: str = "closed by an agent", mode: CloseMode = "finished") -> None:

@@ -46,7 +46,7 @@ from coordinator.core.etcd_client import EtcdClient, KeyValue
 from coordinator.core.keys import decode_store_key, join_store_key, round_store_prefix
 from coordinator.core.store_rounds import ops_prefix, round_of_folder, round_prefixes
 from coordinator.torch_adapter.store_once import new_op_id, write_once
-from coordinator.torch_adapter.store_wait import wait_for_key
+from coordinator.torch_adapter.store_wait import Aborted, Cancellation, wait_for_key
 
 __all__ = ["EtcdStore", "delete_round", "delete_rounds_before"]
 
@@ -84,6 +84,7 @@ class EtcdStore(Store):
         timeout: timedelta,
         *,
         clock: Clock = time.monotonic,
+        cancellation: Cancellation | None = None,
     ) -> None:
         super().__init__()  # the pybind trampoline needs the C++ base initialised
         if not prefix.endswith(b"/"):
@@ -91,12 +92,19 @@ class EtcdStore(Store):
         self._client = client
         self._prefix = prefix
         self._clock = clock
+        self._cancellation = cancellation or Cancellation()
         self.set_timeout(timeout)
 
     @property
     def prefix(self) -> bytes:
         """The etcd folder of this store."""
         return self._prefix
+
+    def abort(self, reason: str) -> None:
+        """End every blocking read of this store (and its clones), now and later, with a
+        ``DistStoreError`` saying ``reason``. Thread-safe; for a caller that no longer
+        waits on this round (its membership changed, or the agent stops)."""
+        self._cancellation.cancel(reason)
 
     def _key(self, key: str | bytes) -> bytes:
         return join_store_key(self._prefix, key)
@@ -258,7 +266,9 @@ class EtcdStore(Store):
         torch clones stores to give each thread its own; ours are thread-safe already.
         """
         timeout: timedelta = self.timeout  # type: ignore[attr-defined]
-        return EtcdStore(self._client, self._prefix, timeout, clock=self._clock)
+        return EtcdStore(
+            self._client, self._prefix, timeout, clock=self._clock, cancellation=self._cancellation
+        )
 
     def has_extended_api(self) -> bool:
         """``True``: ``append``, ``multi_get`` and ``multi_set`` are supported."""
@@ -276,7 +286,12 @@ class EtcdStore(Store):
         start = self._clock()
         found = []
         for key in keys:
-            kv = self._wait_one(self._key(key), deadline)
+            try:
+                kv = self._wait_one(self._key(key), deadline)
+            except Aborted as exc:
+                raise DistStoreError(
+                    f"wait for store keys {', '.join(repr(k) for k in keys)} aborted: {exc}"
+                ) from None
             if kv is None:
                 waited_ms = round((self._clock() - start) * 1000)
                 shown = ", ".join(repr(k) for k in keys)
@@ -291,7 +306,9 @@ class EtcdStore(Store):
 
     def _wait_one(self, etcd_key: bytes, deadline: float) -> KeyValue | None:
         """The key's value once it exists, or None at ``deadline``."""
-        return wait_for_key(self._client, etcd_key, deadline, clock=self._clock)
+        return wait_for_key(
+            self._client, etcd_key, deadline, clock=self._clock, cancellation=self._cancellation
+        )
 
     # -- helpers -----------------------------------------------------------------------
 

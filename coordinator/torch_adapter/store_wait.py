@@ -25,12 +25,54 @@ from collections.abc import Callable
 from coordinator.core.errors import EtcdAuthError, EtcdConnectionError
 from coordinator.core.etcd_client import EtcdClient, KeyValue, WatchEvent, backoff_delay
 
-__all__ = ["wait_for_key"]
+__all__ = ["Aborted", "Cancellation", "wait_for_key"]
 
 log = logging.getLogger(__name__)
 
 _RETRY_BASE_S = 0.05
 _RETRY_CAP_S = 1.0
+
+
+class Aborted(Exception):
+    """The wait was ended by :meth:`Cancellation.cancel`; the message says why."""
+
+
+class Cancellation:
+    """Ends every wait that was given it, now and later, from any thread.
+
+    The agent cancels the waits on a round's store when it stops caring about them (the
+    round's membership changed, or the agent is stopping), so no thread stays blocked in
+    a wait that can no longer succeed.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: set[threading.Event] = set()
+        self.reason: str | None = None
+
+    def cancel(self, reason: str) -> None:
+        with self._lock:
+            if self.reason is None:
+                self.reason = reason
+            waiting = list(self._waiting)
+        for event in waiting:
+            event.set()
+
+    def check(self) -> None:
+        """Raise :class:`Aborted` if cancelled."""
+        if self.reason is not None:
+            raise Aborted(self.reason)
+
+    def register(self, event: threading.Event) -> None:
+        with self._lock:
+            self._waiting.add(event)
+            cancelled = self.reason is not None
+        if cancelled:
+            event.set()
+
+    def unregister(self, event: threading.Event) -> None:
+        with self._lock:
+            self._waiting.discard(event)
 
 
 class _Ending:
@@ -66,15 +108,19 @@ def wait_for_key(
     *,
     clock: Callable[[], float] = time.monotonic,
     rng: random.Random | None = None,
+    cancellation: Cancellation | None = None,
 ) -> KeyValue | None:
     """The key's value once it exists, or None at ``deadline`` (``clock`` seconds).
 
     Raises:
+        Aborted: ``cancellation`` was cancelled (before or during the wait).
         EtcdAuthError: the user may not read or watch the key.
         EtcdConnectionError: etcd did not answer a read, or did not confirm a watch
             before the deadline passed (then None is returned instead).
     """
     rng = rng or random.Random()
+    cancellation = cancellation or Cancellation()
+    cancellation.check()
     kv, _ = client.get(key)
     failures = 0
     shown = key.decode("utf-8", "backslashreplace")
@@ -82,6 +128,7 @@ def wait_for_key(
         remaining = deadline - clock()
         if remaining <= 0:
             return None
+        cancellation.check()
         ending = _Ending(key)
         try:
             watch, (kv, _) = client.watch_then_read(
@@ -100,11 +147,14 @@ def wait_for_key(
             if kv is not None:
                 return kv
             log.debug("store key %s is absent; waiting for its put", shown)
+            cancellation.register(ending.event)
             ending.event.wait(max(deadline - clock(), 0.0))
         finally:
+            cancellation.unregister(ending.event)
             watch.cancel()
         if ending.kv is not None:
             return ending.kv
+        cancellation.check()
         if ending.compacted:
             log.info("wait for store key %s: its watch was compacted; reading again", shown)
         elif ending.error is not None:

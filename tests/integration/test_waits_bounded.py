@@ -11,9 +11,7 @@ re-form without counting a restart, or, at the exit barrier, exit 0 naming the n
 
 from __future__ import annotations
 
-import io
 import sys
-import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,12 +20,12 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousInfo
 
-from agent.agent import Agent
 from agent.config import LaunchConfig
 from agent.launches import resolve_master
 from agent.ranks import RoleInfo, exchange_ranks
 from coordinator.etcd_server import EtcdCluster
 from coordinator.torch_adapter.handler import EtcdRendezvousHandler
+from tests.agent_helpers import AgentNode
 from tests.rdzv_helpers import make_handler, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -46,41 +44,12 @@ def _lose_lease(handler: EtcdRendezvousHandler) -> float:
     return time.monotonic()
 
 
-class Node:
-    """One real agent (a thread of this process) with our handler."""
-
-    def __init__(self, cluster: EtcdCluster, run_id: str, tmp_path: Path, script: str) -> None:
-        self.handler = make_handler(
-            cluster, run_id, 1, 2, lease_ttl=TTL, last_call_timeout=30, timeout=60
-        )
-        path = tmp_path / "worker.py"
-        path.write_text(textwrap.dedent(script))
-        config = LaunchConfig(
-            min_nodes=1, max_nodes=2, nproc_per_node=1, entrypoint=str(path),
-            args=(str(tmp_path),), rdzv_backend="etcd-v3", rdzv_id=run_id, max_restarts=0,
-            log_dir=str(tmp_path / "logs"), local_addr="127.0.0.1", exit_barrier_timeout=120,
-            stop_grace_period=2.0, monitor_interval=0.5,
-        )  # fmt: skip
-        self.console = io.StringIO()
-        self.agent = Agent(config, self.handler, console_err=self.console)
-        self.code: int | None = None
-        self.thread = threading.Thread(target=self._run, name="agent-under-test", daemon=True)
-
-    def _run(self) -> None:
-        self.code = self.agent.run()
-
-    def stop(self) -> None:
-        self.agent.request_stop(15)
-        self.thread.join(timeout=60)
-        self.handler.leave()
-
-
 @pytest.fixture
-def nodes() -> Iterator[list[EtcdRendezvousHandler | Node]]:
-    made: list[EtcdRendezvousHandler | Node] = []
+def nodes() -> Iterator[list[EtcdRendezvousHandler | AgentNode]]:
+    made: list[EtcdRendezvousHandler | AgentNode] = []
     yield made
     for node in made:
-        if isinstance(node, Node):
+        if isinstance(node, AgentNode):
             node.stop()
         else:
             node.leave()
@@ -106,25 +75,34 @@ SLEEPER = """
 
 
 def test_a_node_lost_before_the_rank_exchange_ends_the_wait(
-    etcd1: EtcdCluster, run_id: str, tmp_path: Path, nodes: list[EtcdRendezvousHandler | Node]
+    etcd1: EtcdCluster, run_id: str, tmp_path: Path, nodes: list[EtcdRendezvousHandler | AgentNode]
 ) -> None:
     ghost = make_handler(etcd1, run_id, 1, 2, lease_ttl=TTL, last_call_timeout=30, timeout=60)
     nodes.append(ghost)
     ghost_info = _joined(ghost)
-    node = Node(etcd1, run_id, tmp_path, SLEEPER)
+    node = AgentNode(etcd1, run_id, tmp_path, SLEEPER, ttl=TTL)
     nodes.append(node)
     node.thread.start()
     ghost_info()  # the round formed with both; the ghost never writes its role info
     time.sleep(1.0)  # the agent is now blocked in the rank exchange, waiting on the ghost
     assert node.agent.attempt == -1, "the agent started workers without the second node"
     died = _lose_lease(ghost)
-    took = wait_until(lambda: node.agent.attempt == 0, BOUND_S + 30, "the agent's workers")
+    took = wait_until(
+        lambda: node.agent.worker_group is not None, BOUND_S + 30, "the agent's workers"
+    )
     since = time.monotonic() - died
     print(f"re-formed and started workers {since:.2f} s after the lease stopped ({took:.2f})")
     assert since < BOUND_S
     assert node.agent.worker_group is not None
     assert node.agent.restart_count == 0  # a membership change, not a counted failure
     assert node.handler.last_members == (node.handler.node_id,)
+    # The abandoned rank exchange was ended through the store, not left blocked for the
+    # store timeout: no phase thread of the agent is still alive.
+    wait_until(
+        lambda: not [t for t in threading.enumerate() if t.name == "agent-rendezvous"],
+        10,
+        "the abandoned rank exchange to end",
+    )
 
 
 FINISHER = """
@@ -134,12 +112,12 @@ FINISHER = """
 
 
 def test_a_node_lost_before_the_exit_barrier_ends_the_wait(
-    etcd1: EtcdCluster, run_id: str, tmp_path: Path, nodes: list[EtcdRendezvousHandler | Node]
+    etcd1: EtcdCluster, run_id: str, tmp_path: Path, nodes: list[EtcdRendezvousHandler | AgentNode]
 ) -> None:
     ghost = make_handler(etcd1, run_id, 1, 2, lease_ttl=TTL, last_call_timeout=30, timeout=60)
     nodes.append(ghost)
     ghost_info = _joined(ghost)
-    node = Node(etcd1, run_id, tmp_path, FINISHER)
+    node = AgentNode(etcd1, run_id, tmp_path, FINISHER, ttl=TTL)
     nodes.append(node)
     node.thread.start()
     info = ghost_info()
@@ -148,7 +126,7 @@ def test_a_node_lost_before_the_exit_barrier_ends_the_wait(
     config = LaunchConfig(min_nodes=1, max_nodes=2, nproc_per_node=1, entrypoint=sys.executable)
     exchange_ranks(info.store, RoleInfo("default", info.rank, 1), info.world_size)
     resolve_master(config, info, info.store, info.rank)
-    wait_until(lambda: node.agent.attempt == 0, 60, "the agent's workers")
+    wait_until(lambda: node.agent.worker_group is not None, 60, "the agent's workers")
     time.sleep(1.0)  # its worker exits 0 at once: the agent now waits at the exit barrier
     assert node.thread.is_alive(), "the agent did not wait for the second node"
     died = _lose_lease(ghost)
