@@ -3,8 +3,8 @@
 Reading is the only I/O here (:func:`read_run`, :func:`list_runs`); everything that
 interprets a snapshot (:func:`phase`, :func:`joining`, ...) is pure. A value that does
 not decode never stops a read: it becomes an entry of :attr:`RunSnapshot.errors` naming
-the key, so ``list`` can go on with the other runs and ``status`` can show the rest
-before it exits 1.
+the key (and of :attr:`RunSnapshot.unreadable_keys`), so ``list`` can go on with the
+other runs and ``status`` can show, after the error, what does decode.
 """
 
 from __future__ import annotations
