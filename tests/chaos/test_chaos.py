@@ -10,7 +10,7 @@ member, leader and whole-cluster restarts, compaction, a short freeze, network d
 resets on one agent, a worker killed, a newcomer) runs here with every invariant
 checked. The kinds that remove a node (SIGKILL, SIGTERM, a freeze or a partition past the
 TTL, faults timed into formation and the rank exchange) pass every invariant but one:
-``recovery_bound`` (training steps again within TTL + 5 s) fails by 1–6 s, because each
+``recovery_bound`` (training steps again within TTL + 5 s) fails by 1 to 6 s, because each
 restart starts cold workers that import torch again on two shared cores (measured in the
 closing note of issue 8). That invariant is not relaxed; the whole catalogue runs with
 ``scripts/chaos --seed S --faults N``, and this suite takes the node-loss kinds in once
