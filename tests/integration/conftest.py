@@ -1,5 +1,5 @@
-"""Fixtures of the integration tests of coordinator.core.etcd_client (test_etcd_client.py and
-test_etcd_watch.py use them; the cluster fixtures are in ``tests/conftest.py``)."""
+"""Fixtures shared by the integration tests (the etcd cluster fixtures are in
+``tests/conftest.py``)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,26 @@ import time
 from collections.abc import Iterator
 
 import pytest
+
+from coordinator.core.etcd_client import EtcdClient, EtcdConfig
+from coordinator.etcd_server import EtcdCluster
+from coordinator.torch_adapter.handler import EtcdRendezvousHandler
+from tests.rdzv_helpers import shutdown_all
+
+
+@pytest.fixture
+def handlers() -> Iterator[list[EtcdRendezvousHandler]]:
+    """Handlers a test creates; all leave at the end, even on failure."""
+    made: list[EtcdRendezvousHandler] = []
+    yield made
+    shutdown_all(made)
+
+
+@pytest.fixture
+def client(etcd1: EtcdCluster) -> Iterator[EtcdClient]:
+    """A client of the session's single-member etcd, closed after the test."""
+    with EtcdClient(EtcdConfig(tuple(etcd1.endpoints))) as c:
+        yield c
 
 
 @pytest.fixture

@@ -226,13 +226,6 @@ def test_a_coordinator_that_never_saw_the_state_continues_from_the_store(
 # -- through the handler ---------------------------------------------------------------------
 
 
-@pytest.fixture
-def handlers() -> Iterator[list[EtcdRendezvousHandler]]:
-    made: list[EtcdRendezvousHandler] = []
-    yield made
-    shutdown_all(made)
-
-
 def test_a_new_rendezvous_fails_at_once_while_running_nodes_keep_answering(
     etcd1: EtcdCluster, run_id: str, handlers: list[EtcdRendezvousHandler]
 ) -> None:

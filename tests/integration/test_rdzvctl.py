@@ -14,11 +14,10 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 
-from coordinator.core.etcd_client import EtcdClient, EtcdConfig
+from coordinator.core.etcd_client import EtcdClient
 from coordinator.core.keys import RunKeys
 from coordinator.core.state import NodeInfo, encode_node
 from coordinator.etcd_server import EtcdCluster, free_port
@@ -28,23 +27,9 @@ from coordinator.rdzvctl.model import RunSnapshot
 from coordinator.rdzvctl.watch import follow
 from coordinator.torch_adapter.handler import EtcdRendezvousHandler
 from tests.integration.rdzvctl_support import RDZVCTL, ctl, ctl_json, form, handler
-from tests.rdzv_helpers import Joins, shutdown_all, wait_until
+from tests.rdzv_helpers import Joins, wait_until
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def handlers() -> Iterator[list[EtcdRendezvousHandler]]:
-    """Handlers a test creates; all leave at the end, even on failure."""
-    made: list[EtcdRendezvousHandler] = []
-    yield made
-    shutdown_all(made)
-
-
-@pytest.fixture
-def client(etcd1: EtcdCluster) -> Iterator[EtcdClient]:
-    with EtcdClient(EtcdConfig(tuple(etcd1.endpoints))) as c:
-        yield c
 
 
 # -- status ---------------------------------------------------------------------------

@@ -4,13 +4,12 @@ never touch, and running agents that finish their attempt after a close."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
-from coordinator.core.etcd_client import EtcdClient, EtcdConfig
+from coordinator.core.etcd_client import EtcdClient
 from coordinator.core.keys import RunKeys
 from coordinator.etcd_server import EtcdCluster
 from coordinator.rdzvctl.model import read_run
@@ -26,23 +25,9 @@ from tests.integration.rdzvctl_support import (
     keys_under,
     rewrite_state,
 )
-from tests.rdzv_helpers import Joins, shutdown_all, wait_until
+from tests.rdzv_helpers import Joins, wait_until
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def handlers() -> Iterator[list[EtcdRendezvousHandler]]:
-    """Handlers a test creates; all leave at the end, even on failure."""
-    made: list[EtcdRendezvousHandler] = []
-    yield made
-    shutdown_all(made)
-
-
-@pytest.fixture
-def client(etcd1: EtcdCluster) -> Iterator[EtcdClient]:
-    with EtcdClient(EtcdConfig(tuple(etcd1.endpoints))) as c:
-        yield c
 
 
 # -- close ----------------------------------------------------------------------------

@@ -10,7 +10,6 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 from torch.distributed.elastic.rendezvous.api import (
@@ -23,17 +22,9 @@ from coordinator.core.etcd_client import EtcdClient, EtcdConfig
 from coordinator.core.keys import RunKeys
 from coordinator.etcd_server import EtcdCluster
 from coordinator.torch_adapter.handler import EtcdRendezvousHandler
-from tests.rdzv_helpers import Joins, make_handler, shutdown_all
+from tests.rdzv_helpers import Joins, make_handler
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def handlers() -> Iterator[list[EtcdRendezvousHandler]]:
-    """Handlers a test creates; all leave at the end, even on failure."""
-    made: list[EtcdRendezvousHandler] = []
-    yield made
-    shutdown_all(made)
 
 
 def _changed_event(h: EtcdRendezvousHandler, predicate: object) -> threading.Event:

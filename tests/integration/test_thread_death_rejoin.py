@@ -10,23 +10,15 @@ fresh watches, a fresh duty and a fresh lease.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import pytest
 
 from coordinator.core.etcd_client import EtcdClient, EtcdConfig
 from coordinator.etcd_server import EtcdCluster
 from coordinator.torch_adapter.handler import EtcdRendezvousHandler
-from tests.rdzv_helpers import Joins, make_handler, shutdown_all, wait_until
+from tests.rdzv_helpers import Joins, make_handler, wait_until
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def handlers() -> Iterator[list[EtcdRendezvousHandler]]:
-    made: list[EtcdRendezvousHandler] = []
-    yield made
-    shutdown_all(made)
 
 
 def test_a_dead_watch_thread_makes_the_node_rejoin(
