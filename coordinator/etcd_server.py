@@ -355,12 +355,14 @@ class EtcdCluster(ClusterAddresses[EtcdMember]):
             member.process.kill()
             member.process.wait()
 
-    def restart(self, index: int, timeout: float = 30.0) -> None:
-        """Start a member again with its existing data directory."""
-        member = self.members[index]
-        self.kill(index)
-        self._spawn(member, "existing")
-        self.wait_healthy([member], timeout)
+    def restart(self, index: int | Sequence[int], timeout: float = 30.0) -> None:
+        """Start members again with their data, together (after a whole-cluster stop no
+        member is healthy before a quorum is back), and wait until each is healthy."""
+        indexes = [index] if isinstance(index, int) else list(index)
+        for i in indexes:
+            self.kill(i)
+            self._spawn(self.members[i], "existing")
+        self.wait_healthy([self.members[i] for i in indexes], timeout)
 
     def stop(self) -> None:
         """Stop every member (SIGTERM, grace period, SIGKILL), reap it, remove its data."""

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import subprocess
-import threading
 from pathlib import Path
 
 from agent.history import HistoryWriter
@@ -107,24 +106,13 @@ class EtcdOps:
         Raises:
             HarnessError: a member did not become healthy in time.
         """
-        errors: list[BaseException] = []
-
-        def one(index: int) -> None:
-            try:
-                self.restart(index)
-            except BaseException as exc:
-                errors.append(exc)
-
-        threads = [
-            threading.Thread(target=one, args=(i,), name=f"etcd restart m{i}")
-            for i in range(len(self.cluster.members))
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if errors:
-            raise HarnessError("; ".join(str(e) for e in errors))
+        members = range(len(self.cluster.members))
+        try:
+            self.cluster.restart(members, timeout=self._restart_timeout)
+        except Exception as exc:
+            raise HarnessError(f"the etcd cluster did not come back: {exc}") from exc
+        for index in members:
+            self._history.record("etcd_started", member=index)
 
     def _etcdctl(self, *args: str) -> str:
         argv = [
