@@ -12,6 +12,7 @@ import pytest
 from coordinator.core.etcd_client import EtcdClient, EtcdConfig
 from coordinator.etcd_server import EtcdCluster
 from coordinator.torch_adapter.handler import EtcdRendezvousHandler
+from tests.integration.orphans_support import Tracked
 from tests.rdzv_helpers import shutdown_all
 
 
@@ -46,3 +47,13 @@ def threads_reaped() -> Iterator[None]:
 @pytest.fixture
 def prefix(run_id: str) -> bytes:
     return f"/etcd-client-test/{run_id}/".encode()
+
+
+@pytest.fixture
+def tracked() -> Iterator[Tracked]:
+    """Processes a test must not leave running: SIGKILLed at the end if still alive."""
+    t = Tracked()
+    try:
+        yield t
+    finally:
+        t.cleanup()

@@ -14,13 +14,12 @@ import signal
 import subprocess
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.agents import ETCDRUN, ROOT, alive, descendants, wait_for
-from tests.integration.test_orphans import GONE_WITHIN_S, Tracked, wait_gone
+from tests.integration.orphans_support import GONE_WITHIN_S, Tracked, wait_gone
 
 pytestmark = pytest.mark.integration
 
@@ -32,15 +31,6 @@ WORKER = """
         f.write(str(os.getpid()))
     time.sleep(600)
 """
-
-
-@pytest.fixture
-def tracked() -> Iterator[Tracked]:
-    t = Tracked()
-    try:
-        yield t
-    finally:
-        t.cleanup()
 
 
 def _cmdline(pid: int) -> str:

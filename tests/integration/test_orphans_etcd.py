@@ -10,14 +10,13 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from coordinator.etcd_server import EtcdCluster, find_etcd_binary, wheel_etcd_binary
-from tests.e2e.agents import alive
-from tests.integration.test_orphans import ROOT, Tracked, wait_gone
+from tests.e2e.agents import ROOT, alive
+from tests.integration.orphans_support import Tracked, wait_gone
 
 pytestmark = pytest.mark.integration
 
@@ -27,15 +26,6 @@ def _binary() -> Path:
     if os.environ.get("ETCD_BINARY"):
         return find_etcd_binary()
     return wheel_etcd_binary() or find_etcd_binary()
-
-
-@pytest.fixture
-def tracked() -> Iterator[Tracked]:
-    t = Tracked()
-    try:
-        yield t
-    finally:
-        t.cleanup()
 
 
 OWNER = """

@@ -68,6 +68,23 @@ def _joined(ghost: EtcdRendezvousHandler) -> Callable[[], RendezvousInfo]:
     return info
 
 
+def _ghost_and_agent(
+    cluster: EtcdCluster,
+    run_id: str,
+    tmp_path: Path,
+    nodes: list[EtcdRendezvousHandler | AgentNode],
+    script: str,
+) -> tuple[EtcdRendezvousHandler, Callable[[], RendezvousInfo], AgentNode]:
+    """A second node (a bare handler, joining now) and a real agent running ``script``."""
+    ghost = make_handler(cluster, run_id, 1, 2, lease_ttl=TTL, last_call_timeout=30, timeout=60)
+    nodes.append(ghost)
+    ghost_info = _joined(ghost)
+    node = AgentNode(cluster, run_id, tmp_path, script, ttl=TTL)
+    nodes.append(node)
+    node.thread.start()
+    return ghost, ghost_info, node
+
+
 SLEEPER = """
     import sys, time
     time.sleep(600)
@@ -77,12 +94,7 @@ SLEEPER = """
 def test_a_node_lost_before_the_rank_exchange_ends_the_wait(
     etcd1: EtcdCluster, run_id: str, tmp_path: Path, nodes: list[EtcdRendezvousHandler | AgentNode]
 ) -> None:
-    ghost = make_handler(etcd1, run_id, 1, 2, lease_ttl=TTL, last_call_timeout=30, timeout=60)
-    nodes.append(ghost)
-    ghost_info = _joined(ghost)
-    node = AgentNode(etcd1, run_id, tmp_path, SLEEPER, ttl=TTL)
-    nodes.append(node)
-    node.thread.start()
+    ghost, ghost_info, node = _ghost_and_agent(etcd1, run_id, tmp_path, nodes, SLEEPER)
     ghost_info()  # the round formed with both; the ghost never writes its role info
     time.sleep(1.0)  # the agent is now blocked in the rank exchange, waiting on the ghost
     assert node.agent.attempt == -1, "the agent started workers without the second node"
@@ -114,12 +126,7 @@ FINISHER = """
 def test_a_node_lost_before_the_exit_barrier_ends_the_wait(
     etcd1: EtcdCluster, run_id: str, tmp_path: Path, nodes: list[EtcdRendezvousHandler | AgentNode]
 ) -> None:
-    ghost = make_handler(etcd1, run_id, 1, 2, lease_ttl=TTL, last_call_timeout=30, timeout=60)
-    nodes.append(ghost)
-    ghost_info = _joined(ghost)
-    node = AgentNode(etcd1, run_id, tmp_path, FINISHER, ttl=TTL)
-    nodes.append(node)
-    node.thread.start()
+    ghost, ghost_info, node = _ghost_and_agent(etcd1, run_id, tmp_path, nodes, FINISHER)
     info = ghost_info()
     # The ghost does its part of the rank exchange (as its agent would), then never
     # reaches the exit barrier: it dies while the agent's workers finish.
