@@ -73,10 +73,9 @@ class Participation:
         self.duty.poke()
         self._on_change()
 
-    def close(self, *, started: bool = True) -> None:
-        """Stop the duty and the view, and revoke the lease. Idempotent."""
-        if started:
-            self.duty.stop()
+    def close(self) -> None:
+        """Stop the duty (started or not) and the view, and revoke the lease. Idempotent."""
+        self.duty.stop()
         self.view.close()
         try:
             self.member.close(revoke=True)

@@ -151,7 +151,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             if won:
                 self._parts, self._rejoin = parts, None
         if not won:
-            parts.close(started=False)
+            parts.close()
             return self._participation()  # raises NodeLeftError, or returns the winner's
         parts.duty.start()
         return parts
