@@ -54,8 +54,8 @@ class Commit:
 
     Attributes:
         succeeded: the write landed.
-        state: the state now stored, as far as this writer knows: its own on success, the
-            winner's (undecoded: see ``current``) on failure.
+        state: on success, the state this write stored; on failure, the state the
+            writer started from (the winner's value is ``current``, undecoded).
         revision: the etcd revision after the transaction.
         current: on failure, the state key's value now (None: absent).
         fenced_out: on failure, the writer's fence key is gone or re-created: it no

@@ -75,11 +75,6 @@ class NodeMembership:
             session = self._session
         return session is not None and session.lost()
 
-    @property
-    def session(self) -> Session | None:
-        with self._lock:
-            return self._session
-
     def _live_session(self) -> tuple[Session, bool]:
         """The current session, or a new one if there is none or it was lost."""
         with self._lock:
