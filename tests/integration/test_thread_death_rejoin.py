@@ -64,3 +64,38 @@ def test_a_dead_watch_thread_makes_the_node_rejoin(
     new_revision = fresh.member.current()
     assert old_revision is not None and new_revision is not None
     assert new_revision.create_revision > old_revision.create_revision  # a new key
+
+
+def test_a_thread_death_during_a_join_starts_the_join_over(
+    etcd1: EtcdCluster,
+    run_id: str,
+    handlers: list[EtcdRendezvousHandler],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The worst moment: a node is waiting for its round (min_nodes=2, alone so far) when
+    # its watch thread dies. Its join must start over on a fresh participation, not hang
+    # on the closed view until join_timeout.
+    first, second = make_handler(etcd1, run_id, 2, 2), make_handler(etcd1, run_id, 2, 2)
+    handlers += [first, second]
+    waiting = Joins([first]).start()
+    wait_until(lambda: first._current() is not None, 30, "the first node to start joining")
+    old = first._current()
+    client: EtcdClient = first._etcd()
+
+    def broken(*_args: object) -> None:
+        raise RuntimeError("injected into the watch thread")
+
+    monkeypatch.setattr(client._watcher, "_handle", broken)
+    # An event the lone node (its own coordinator) watches: its key, written again as is.
+    key = first._keys.node(first.node_id)
+    wait_until(lambda: client.get(key)[0] is not None, 30, "the first node's key")
+    with EtcdClient(EtcdConfig(endpoints=tuple(etcd1.endpoints))) as poker:
+        kv, _ = poker.get(key)
+        assert kv is not None
+        poker.put(key, kv.value, lease=kv.lease)
+    wait_until(lambda: first._current() is not old, 30, "the first node to leave")
+    monkeypatch.undo()
+    infos = Joins([second]).start().infos(60)
+    joined = waiting.infos(60)
+    assert sorted([infos[0].rank, joined[0].rank]) == [0, 1]
+    assert first._current() is not old

@@ -142,3 +142,27 @@ def test_a_node_lost_before_the_exit_barrier_ends_the_wait(
     print(f"the agent left the exit barrier {since:.2f} s after the lease stopped")
     assert node.code == 0
     assert since < BOUND_S
+
+
+def test_a_stop_request_during_the_rank_exchange_ends_it_at_once(
+    etcd1: EtcdCluster, run_id: str, tmp_path: Path, nodes: list[EtcdRendezvousHandler | AgentNode]
+) -> None:
+    # A signal at the worst moment: the agent is blocked in the store, waiting on a node
+    # that never writes its part. The stop is a flag; the loop ends the phase through the
+    # store and exits 128 + SIGTERM without waiting for the store timeout.
+    _ghost, ghost_info, node = _ghost_and_agent(etcd1, run_id, tmp_path, nodes, SLEEPER)
+    ghost_info()
+    time.sleep(1.0)  # the agent is now blocked in the rank exchange
+    assert node.agent.attempt == -1
+    started = time.monotonic()
+    node.agent.request_stop(15)
+    node.thread.join(timeout=30)
+    took = time.monotonic() - started
+    print(f"stopped {took:.2f} s after the request")
+    assert node.code == 143
+    assert took < 10
+    wait_until(
+        lambda: not [t for t in threading.enumerate() if t.name == "agent-rendezvous"],
+        10,
+        "the abandoned rank exchange to end",
+    )
