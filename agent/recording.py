@@ -9,13 +9,16 @@ runs.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 
-from agent.history import NODE_ENV, ROUND_ENV, HistoryWriter
+from agent.history import HISTORY_ENV, NODE_ENV, ROUND_ENV, HistoryWriter
 
 __all__ = ["RoundRecorder"]
+
+log = logging.getLogger(__name__)
 
 
 class RoundRecorder:
@@ -23,7 +26,13 @@ class RoundRecorder:
 
     def __init__(self, handler: RendezvousHandler, env: Mapping[str, str]) -> None:
         self._handler = handler
-        self._writer = HistoryWriter.from_env("agent", env)
+        try:
+            self._writer = HistoryWriter.from_env("agent", env)
+        except OSError as exc:
+            # A history is a diagnostic: a path it cannot write must not stop training.
+            log.warning("%s=%s cannot be written (%s); no history is recorded", HISTORY_ENV,
+                        env.get(HISTORY_ENV), exc)  # fmt: skip
+            self._writer = HistoryWriter(None)
         self._round = -1
 
     @property
