@@ -11,6 +11,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
 from coordinator.core.etcd_client import EtcdClient
 from coordinator.core.keys import RunKeys
+from coordinator.core.state import NodeInfo, encode_node
 from coordinator.etcd_server import EtcdCluster
 from coordinator.rdzvctl.model import read_run
 from coordinator.rdzvctl.ops import collect_run
@@ -184,16 +185,48 @@ def test_gc_spares_a_run_whose_node_joins_during_collection(
     keys = RunKeys(prefix, "job")
     client.put(keys.store_key(1, "x"), b"1")
     snapshot = read_run(client, keys)  # no node yet: gc would take it...
-    newcomer = handler(etcd1, "job", 2, 2, prefix)
-    handlers.append(newcomer)
-    joining = Joins([newcomer]).start()  # ...but a node arrives before gc writes
-    wait_until(lambda: client.count_prefix(keys.nodes_prefix)[0] == 1, 10, "the node's key")
-    result = collect_run(client, snapshot, written_by="test")
-    assert (result.removed, result.message) == (
-        False, "stopped: 1 node(s) joined while it was being removed; it is left closed"
-    )  # fmt: skip
-    assert client.get(keys.node(newcomer.node_id))[0] is not None  # node keys are never deleted
-    # The node learns at once that the run is closed, with gc's reason.
-    error = joining.wait(30)[0].error
+    # ...but a node arrives before gc writes. A join puts its node key first and writes
+    # the state only after; the node is caught between the two (a real handler would
+    # race past that window in milliseconds, so its key is put here by hand).
+    lease = client.lease_grant(30)
+    try:
+        record = NodeInfo(node_id="arriving", wanted_round=1, lease_id=lease)
+        client.put(keys.node("arriving"), encode_node(record), lease=lease)
+        result = collect_run(client, snapshot, written_by="test")
+        assert (result.removed, result.message) == (
+            False, "stopped: 1 node(s) joined while it was being removed; it is left closed"
+        )  # fmt: skip
+        assert client.get(keys.node("arriving"))[0] is not None  # node keys are never deleted
+        assert client.get(keys.store_key(1, "x"))[0] is None  # the store went with the close
+        # A node that joins now learns at once that the run is closed, with gc's reason.
+        newcomer = handler(etcd1, "job", 2, 2, prefix)
+        handlers.append(newcomer)
+        error = Joins([newcomer]).start().wait(30)[0].error
+    finally:
+        client.lease_revoke(lease)
     assert isinstance(error, RendezvousClosedError)
     assert "garbage-collected by rdzvctl gc" in str(error)
+
+
+def test_gc_that_races_a_joining_node_never_removes_its_run(
+    etcd1: EtcdCluster, run_id: str, client: EtcdClient, handlers: list[EtcdRendezvousHandler]
+) -> None:
+    """The same race left to chance: whichever write lands first, the run is not removed
+    and the node's key stays (either gc closed it first, or the node's state write made
+    gc's guarded write fail)."""
+    prefix = f"/{run_id}"
+    keys = RunKeys(prefix, "job")
+    client.put(keys.store_key(1, "x"), b"1")
+    snapshot = read_run(client, keys)
+    newcomer = handler(etcd1, "job", 2, 2, prefix)
+    handlers.append(newcomer)
+    Joins([newcomer]).start()
+    wait_until(lambda: client.count_prefix(keys.nodes_prefix)[0] == 1, 10, "the node's key")
+    result = collect_run(client, snapshot, written_by="test")
+    assert result.removed is False
+    assert result.message in (
+        "stopped: 1 node(s) joined while it was being removed; it is left closed",
+        "skipped: its state changed since it was read",
+    )
+    assert client.get(keys.node(newcomer.node_id))[0] is not None
+    assert client.get(keys.state)[0] is not None
