@@ -51,6 +51,7 @@ from agent.policy import RestartBudget, Step, WorkerState, next_step, stop_for_c
 from agent.ranks import Store
 from agent.recording import RoundRecorder
 from agent.rounds import Formed, barrier_changed, barrier_phase, form_round, formation_changed
+from agent.warm import WarmPool
 from agent.workers import (
     WorkerGroup,
     WorkerStartError,
@@ -102,6 +103,7 @@ class Agent:
         self._group_world_size = 0
         self._store: Store | None = None
         self._group: WorkerGroup | None = None
+        self._warm = WarmPool(config.warm_modules, enabled=config.warm_start)
         self._failures: dict[int, Failure] = {}
         self._report: str | None = None
         self._hostname = socket.gethostname()
@@ -192,6 +194,7 @@ class Agent:
             return code
         finally:
             self._stop_group(reason="exit")
+            self._warm.close()
             if unsubscribe is not None:
                 unsubscribe()
             self._history.exited(code)
@@ -377,9 +380,11 @@ class Agent:
         )
         self._wake.clear()
         self._group = WorkerGroup(
-            launches, self.wake, console_out=self._console_out, console_err=self._console_err
-        )
+            launches, self.wake, console_out=self._console_out, console_err=self._console_err,
+            warm=self._warm,
+        )  # fmt: skip
         self._group.start()
+        self._warm.refill({ln.ranks.local_rank: (ln.argv, ln.env) for ln in launches})
         self._history.started(self._group.pids, self.restart_count)
         return True
 

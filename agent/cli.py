@@ -29,6 +29,7 @@ from agent import devices
 from agent.cli_parser import IGNORED_FLAGS, build_parser
 from agent.cli_values import (
     UsageError,
+    parse_modules,
     parse_nnodes,
     parse_ranks_filter,
     parse_rdzv_conf,
@@ -231,6 +232,8 @@ def _config(
         module=bool(ns.module),
         no_python=bool(ns.no_python),
         run_path=bool(ns.run_path),
+        warm_start=not ns.no_warm_start,
+        warm_modules=parse_modules("--warm-modules", ns.warm_modules),
         entrypoint=entrypoint,
         args=args,
     )

@@ -238,6 +238,21 @@ def build_parser(*, environ: Mapping[str, str] | None = None) -> argparse.Argume
         metavar="spawn|fork|forkserver",
         help="accepted for torchrun compatibility; workers are always new processes",
     )
+    flag(
+        run,
+        "--no-warm-start",
+        "--no_warm_start",
+        help="start every worker in a new interpreter; by default a restarted worker "
+        "starts from one started ahead with --warm-modules imported",
+    )
+    option(
+        run,
+        "--warm-modules",
+        "--warm_modules",
+        default="torch",
+        metavar="MOD[,MOD...]",
+        help="modules the interpreters started ahead import (CUDA is never touched)",
+    )
 
     what = parser.add_argument_group("what to run")
     option(what, "--role", default="default", help="role name of the workers")

@@ -13,6 +13,7 @@ from agent.config import Std
 
 __all__ = [
     "UsageError",
+    "parse_modules",
     "parse_nnodes",
     "parse_ranks_filter",
     "parse_rdzv_conf",
@@ -128,3 +129,16 @@ def parse_ranks_filter(text: str) -> frozenset[int] | None:
             f"{text!r} is not a list of local ranks; give comma-separated numbers, e.g. 0,1",
         )
     return ranks
+
+
+def parse_modules(flag: str, text: str) -> tuple[str, ...]:
+    """A comma-separated list of dotted module names (``torch,numpy``); empty: none.
+
+    Raises:
+        UsageError: a name that is not a dotted Python identifier.
+    """
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    for name in names:
+        if not all(piece.isidentifier() for piece in name.split(".")):
+            raise UsageError(flag, f"{name!r} is not a module name; give e.g. torch,numpy")
+    return names

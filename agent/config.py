@@ -48,6 +48,9 @@ class LaunchConfig:
         local_addr: this node's address as others should reach it.
         exit_barrier_timeout: seconds to wait for other agents after local success.
         stop_grace_period: seconds between SIGTERM and SIGKILL when stopping workers.
+        warm_start: start restarted workers from interpreters started ahead
+            (:mod:`agent.warm`); ``--no-warm-start`` turns it off.
+        warm_modules: what those interpreters import ahead (``--warm-modules``).
     """
 
     min_nodes: int
@@ -77,3 +80,5 @@ class LaunchConfig:
     local_addr: str | None = None
     exit_barrier_timeout: float = 300.0
     stop_grace_period: float = 5.0
+    warm_start: bool = True
+    warm_modules: tuple[str, ...] = ("torch",)

@@ -34,6 +34,7 @@ from typing import IO, Any, TextIO
 from agent.logs import LinePump, StreamPlan, WorkerLogs
 from agent.policy import WorkerState
 from agent.ranks import WorkerRanks
+from agent.warm import WarmPool
 from coordinator.core.lifeline import Spawned, spawn
 
 __all__ = [
@@ -176,6 +177,32 @@ class Exited:
     monotonic_time: float
 
 
+# Where a started worker's piped stdout and stderr are read (None: not piped).
+_Sources = tuple[IO[bytes] | None, IO[bytes] | None]
+
+
+def _devnull(after: contextlib.ExitStack) -> int:
+    fd = os.open(os.devnull, os.O_RDWR)
+    after.callback(os.close, fd)
+    return fd
+
+
+def _stream_fd(
+    plan: StreamPlan, inherited: int, after: contextlib.ExitStack
+) -> tuple[int, IO[bytes] | None]:
+    """The descriptor a warm worker gets for one stream (closed here by ``after``), and
+    the pipe's reading end when the stream is piped: what ``_open_stream`` gives Popen."""
+    if plan.piped:
+        read_fd, write_fd = os.pipe()
+        after.callback(os.close, write_fd)
+        return write_fd, os.fdopen(read_fd, "rb")
+    if plan.file is not None:
+        fd = os.open(plan.file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        after.callback(os.close, fd)
+        return fd, None
+    return (inherited, None) if plan.console else (_devnull(after), None)
+
+
 def _open_stream(plan: StreamPlan) -> int | IO[Any] | None:
     if plan.piped:
         return subprocess.PIPE
@@ -204,6 +231,7 @@ class WorkerGroup:
         *,
         console_out: TextIO | None = None,
         console_err: TextIO | None = None,
+        warm: WarmPool | None = None,
     ) -> None:
         """
         Args:
@@ -211,11 +239,14 @@ class WorkerGroup:
             wake: called from a waiter thread each time a worker exits.
             console_out, console_err: where tee'd lines go (default: sys.stdout/stderr
                 at start time).
+            warm: ready interpreters to start workers from (:mod:`agent.warm`); a
+                worker none fits starts cold.
         """
         self._launches = list(launches)
         self._wake = wake
         self._console_out = console_out
         self._console_err = console_err
+        self._warm = warm
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
         self._started = False
@@ -255,6 +286,26 @@ class WorkerGroup:
         ) from exc
 
     def _start_one(self, launch: WorkerLaunch) -> None:
+        started = self._start_warm(launch) if self._warm is not None else None
+        spawned, sources = started if started is not None else self._start_cold(launch)
+        worker = _Worker(launch, spawned)
+        for source, plan, console in (
+            (sources[0], launch.logs.stdout, self._console_out or sys.stdout),
+            (sources[1], launch.logs.stderr, self._console_err or sys.stderr),
+        ):
+            if source is not None and plan.file is not None:
+                pump = LinePump(source, plan.file, console, launch.logs.prefix)
+                pump.start()
+                worker.pumps.append(pump)
+        with self._lock:
+            self._workers.append(worker)
+        threading.Thread(
+            target=self._wait, args=(worker,), name=f"waiter pid {spawned.process.pid}",
+            daemon=True,
+        ).start()  # fmt: skip
+
+    @staticmethod
+    def _start_cold(launch: WorkerLaunch) -> tuple[Spawned, _Sources]:
         out = _open_stream(launch.logs.stdout)
         err = _open_stream(launch.logs.stderr)
         try:
@@ -271,20 +322,28 @@ class WorkerGroup:
                 if hasattr(stream, "close"):
                     stream.close()  # type: ignore[union-attr]
         proc = spawned.process
-        worker = _Worker(launch, spawned)
-        for source, plan, console in (
-            (proc.stdout, launch.logs.stdout, self._console_out or sys.stdout),
-            (proc.stderr, launch.logs.stderr, self._console_err or sys.stderr),
-        ):
-            if source is not None and plan.file is not None:
-                pump = LinePump(source, plan.file, console, launch.logs.prefix)
-                pump.start()
-                worker.pumps.append(pump)
-        with self._lock:
-            self._workers.append(worker)
-        threading.Thread(
-            target=self._wait, args=(worker,), name=f"waiter pid {proc.pid}", daemon=True
-        ).start()
+        return spawned, (proc.stdout, proc.stderr)
+
+    def _start_warm(self, launch: WorkerLaunch) -> tuple[Spawned, _Sources] | None:
+        """The worker started from the pool's ready interpreter; None: start it cold."""
+        assert self._warm is not None
+        with contextlib.ExitStack() as after:
+            fds: list[int] = [_devnull(after)]
+            readers: list[IO[bytes] | None] = []
+            for plan, inherited in ((launch.logs.stdout, 1), (launch.logs.stderr, 2)):
+                fd, reader = _stream_fd(plan, inherited, after)
+                fds.append(fd)
+                readers.append(reader)
+            spawned = self._warm.take(
+                launch.ranks.local_rank, launch.argv, launch.env, os.getcwd(),
+                (fds[0], fds[1], fds[2]),
+            )  # fmt: skip
+            if spawned is None:
+                for reader in readers:
+                    if reader is not None:
+                        reader.close()
+                return None
+        return spawned, (readers[0], readers[1])
 
     def _wait(self, worker: _Worker) -> None:
         returncode = worker.proc.wait()

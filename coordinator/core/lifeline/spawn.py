@@ -191,6 +191,7 @@ def spawn(
     stdout: Stream = None,
     stderr: Stream = None,
     start_new_session: bool = False,
+    pass_fds: Sequence[int] = (),
     death_signal: int = signal.SIGKILL,
 ) -> Spawned:
     """Start ``argv`` as a child that gets ``death_signal`` when this process dies.
@@ -199,8 +200,9 @@ def spawn(
         argv: the program (looked up on the ``PATH`` of ``env``, as ``Popen`` does) and
             its arguments.
         env: its environment (default: this process's).
-        cwd, stdin, stdout, stderr, start_new_session: as for ``subprocess.Popen``; file
-            objects passed may be closed by the caller once this returns.
+        cwd, stdin, stdout, stderr, start_new_session, pass_fds: as for
+            ``subprocess.Popen``; file objects passed may be closed by the caller once
+            this returns.
         death_signal: the signal the child gets when this process ends, however it ends.
 
     Returns:
@@ -215,7 +217,7 @@ def spawn(
     if not PDEATHSIG_SUPPORTED or not sys.executable:
         plain = subprocess.Popen(
             program, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr,
-            start_new_session=start_new_session,
+            start_new_session=start_new_session, pass_fds=tuple(pass_fds),
         )  # fmt: skip
         return Spawned(plain, program)
     base = os.environ if env is None else env
@@ -231,7 +233,7 @@ def spawn(
         try:
             return subprocess.Popen(
                 wrapped, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr,
-                start_new_session=start_new_session, pass_fds=(write_fd,),
+                start_new_session=start_new_session, pass_fds=(write_fd, *pass_fds),
             )  # fmt: skip
         finally:
             # Closed here, on the forking thread, before any other fork can copy it.

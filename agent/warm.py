@@ -1,0 +1,260 @@
+"""Warm restarts: per local worker, an interpreter started ahead with torch imported.
+
+A restart's largest cost in a real job is the new interpreter importing torch (1-1.5 s
+of CPU here, per worker, all at once). The pool keeps, for each local rank, one process
+of :mod:`agent.warm_process` that has already done that and waits; a worker is started
+by handing it the worker's command, environment, directory and standard streams, and
+the pool starts a replacement in the background.
+
+A warm process is used only when the result is the same as a cold ``python -u``:
+
+- the command is ``<python> -u <script|-m module|-c code> ...`` with the interpreter the
+  warm process runs (not ``--no-python``: another program);
+- the worker's environment equals the one the warm process was started with, except
+  torchrun's per-attempt variables (:data:`LATE_KEYS`), which nothing reads at import.
+  Anything else (a user variable read at start-up, ``OMP_NUM_THREADS`` read by OpenMP
+  when it loads, ``PYTHONHASHSEED``...) must match, or the worker starts cold.
+
+Otherwise, and whenever no warm process is ready, the worker starts cold: a warm start
+is never waited for. Warm processes are started through :func:`coordinator.core.lifeline.spawn`
+in a session of their own, so they die with the agent and are stopped as workers are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from coordinator.core.lifeline import Spawned, spawn
+
+__all__ = ["LATE_KEYS", "WarmPool", "WarmTarget", "env_compatible", "warm_target"]
+
+log = logging.getLogger(__name__)
+
+_PROGRAM = str(Path(__file__).with_name("warm_process.py"))
+
+# torchrun's per-attempt variables (and ours): set for each attempt, read by the worker's
+# code (init_process_group, the error handler), never while torch is imported.
+LATE_KEYS = frozenset(
+    {
+        "RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_USE_AGENT_STORE",
+        "ETCD_ELASTIC_ROUND",
+    }
+)  # fmt: skip
+
+_HANDOVER_TIMEOUT = 5.0  # seconds for a ready process to confirm it took the request
+
+
+@dataclass(frozen=True)
+class WarmTarget:
+    """What a cold ``python -u`` would run: ``mode`` is script, module or code."""
+
+    python: str
+    mode: str
+    target: str
+    args: tuple[str, ...]
+
+
+def warm_target(argv: Sequence[str]) -> WarmTarget | None:
+    """The warm form of a worker's command line, or None if only a cold start will do
+    (not ``<python> -u ...``: ``--no-python``, or an interpreter with other flags)."""
+    if len(argv) < 3 or argv[1] != "-u" or not Path(argv[0]).name.startswith("python"):
+        return None
+    python, first, rest = argv[0], argv[2], tuple(argv[3:])
+    if first in ("-m", "-c"):
+        if not rest:
+            return None
+        return WarmTarget(python, "module" if first == "-m" else "code", rest[0], rest[1:])
+    if first.startswith("-"):
+        return None  # another interpreter flag: a cold start keeps its meaning
+    return WarmTarget(python, "script", first, rest)
+
+
+def env_compatible(started_with: Mapping[str, str], wanted: Mapping[str, str]) -> bool:
+    """Whether a process started with ``started_with`` may become a worker whose
+    environment is ``wanted``: equal but for :data:`LATE_KEYS`."""
+    keys = (started_with.keys() | wanted.keys()) - LATE_KEYS
+    return all(started_with.get(k) == wanted.get(k) for k in keys)
+
+
+class _Warm:
+    """One started warm process and this end of its control socket."""
+
+    def __init__(self, spawned: Spawned, sock: socket.socket, python: str, env: dict[str, str]):
+        self.spawned = spawned
+        self.sock = sock
+        self.python = python
+        self.env = env
+        self.ready = threading.Event()
+        self.failed: str | None = None
+
+    def wait_ready(self) -> None:
+        """Block until the process reports (run on the pool's starter thread)."""
+        try:
+            self.spawned.confirm()
+            report = self.sock.recv(4096)
+        except OSError as exc:
+            report = f"failed {exc}".encode()
+        text = report.decode(errors="replace")
+        if text != "ready":
+            self.failed = text.removeprefix("failed ").strip() or "it exited while starting"
+        self.ready.set()
+
+    def discard(self) -> None:
+        """Stop and reap an unused process."""
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.spawned.process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.spawned.process.wait(timeout=10)
+
+
+class WarmPool:
+    """One warm process per local rank, refilled in the background."""
+
+    def __init__(self, modules: Sequence[str] = ("torch",), *, enabled: bool = True) -> None:
+        self._modules = ",".join(dict.fromkeys(m for m in modules if m))
+        self._enabled = enabled
+        self._lock = threading.Lock()
+        self._slots: dict[int, _Warm] = {}
+        self._closed = False
+        self._disabled_why: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled and self._disabled_why is None
+
+    def refill(self, templates: Mapping[int, tuple[Sequence[str], Mapping[str, str]]]) -> None:
+        """Start, for each local rank without a usable process, one that is ready for a
+        worker like ``templates[local_rank]`` = (argv, env). Returns at once."""
+        if not self.enabled:
+            return
+        for local_rank, (argv, env) in templates.items():
+            target = warm_target(argv)
+            if target is None:
+                continue
+            with self._lock:
+                if self._closed:
+                    return
+                current = self._slots.get(local_rank)
+                if (
+                    current is not None
+                    and current.python == target.python
+                    and (env_compatible(current.env, env))
+                ):
+                    continue
+                self._slots.pop(local_rank, None)
+            if current is not None:
+                current.discard()
+            self._start(local_rank, target.python, dict(env))
+
+    def _start(self, local_rank: int, python: str, env: dict[str, str]) -> None:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            spawned = spawn(
+                [python, "-u", _PROGRAM, str(theirs.fileno()), self._modules],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+                pass_fds=(theirs.fileno(),),
+            )
+        except OSError as exc:
+            mine.close()
+            log.warning("warm start: cannot start a warm interpreter (%s); starting cold", exc)
+            return
+        finally:
+            theirs.close()
+        warm = _Warm(spawned, mine, python, env)
+        with self._lock:
+            if self._closed:
+                warm.discard()
+                return
+            self._slots[local_rank] = warm
+        threading.Thread(
+            target=self._await, args=(warm,), name=f"warm start {local_rank}", daemon=True
+        ).start()
+
+    def _await(self, warm: _Warm) -> None:
+        warm.wait_ready()
+        if warm.failed is None:
+            return
+        with self._lock:
+            first = self._disabled_why is None
+            self._disabled_why = warm.failed
+            for rank, slot in list(self._slots.items()):
+                if slot is warm:
+                    del self._slots[rank]
+        warm.discard()
+        if first:
+            log.info("warm start: off for this agent, workers start cold (%s)", warm.failed)
+
+    def take(
+        self, local_rank: int, argv: Sequence[str], env: Mapping[str, str], cwd: str,
+        streams: tuple[int, int, int],
+    ) -> Spawned | None:  # fmt: skip
+        """Start the worker ``argv``/``env``/``cwd`` on ``streams`` (stdin, stdout,
+        stderr descriptors, which the caller still closes) from the ready process of
+        ``local_rank``; None if there is none or it does not fit (start it cold)."""
+        target = warm_target(argv)
+        with self._lock:
+            warm = self._slots.get(local_rank)
+            usable = (
+                warm is not None
+                and target is not None
+                and warm.ready.is_set()
+                and warm.failed is None
+                and warm.python == target.python
+                and env_compatible(warm.env, env)
+            )
+            if not usable or warm is None or target is None:
+                return None
+            del self._slots[local_rank]
+        request = {
+            "mode": target.mode,
+            "target": target.target,
+            "args": list(target.args),
+            "env": dict(env),
+            "cwd": cwd,
+            "argv": list(argv),
+        }
+        try:
+            socket.send_fds(warm.sock, [json.dumps(request).encode()], list(streams))
+            warm.sock.settimeout(_HANDOVER_TIMEOUT)
+            answer = warm.sock.recv(64)
+        except OSError as exc:
+            answer = f"error {exc}".encode()
+        finally:
+            with contextlib.suppress(OSError):
+                warm.sock.close()
+        if answer != b"started":
+            log.warning(
+                "warm start: local rank %d: the warm interpreter did not take the worker "
+                "(%s); starting it cold",
+                local_rank,
+                answer.decode(errors="replace") or "it exited",
+            )
+            warm.discard()
+            return None
+        return Spawned(warm.spawned.process, tuple(argv))
+
+    def close(self) -> None:
+        """Stop every unused warm process. Idempotent."""
+        with self._lock:
+            self._closed = True
+            slots, self._slots = list(self._slots.values()), {}
+        for warm in slots:
+            warm.discard()
