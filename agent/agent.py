@@ -44,7 +44,8 @@ from agent.ending import (
     release_exit_barrier,
 )
 from agent.errorfile import Failure, root_cause
-from agent.launches import build_launches
+from agent.history import NODE_ENV
+from agent.launches import build_launches, warm_templates
 from agent.logs import LogSpec, RunLogDir
 from agent.phase import MembershipChanged, Phase, PhaseWaiter
 from agent.policy import RestartBudget, Step, WorkerState, next_step, stop_for_closed_run
@@ -103,7 +104,9 @@ class Agent:
         self._group_world_size = 0
         self._store: Store | None = None
         self._group: WorkerGroup | None = None
-        self._warm = WarmPool(config.warm_modules, enabled=config.warm_start)
+        self._warm = WarmPool(
+            config.warm_modules, enabled=config.warm_start, depth=config.warm_pool_size
+        )
         self._failures: dict[int, Failure] = {}
         self._report: str | None = None
         self._hostname = socket.gethostname()
@@ -163,11 +166,12 @@ class Agent:
         """
         if self._stop_signal is None:
             self._stop_signal = signum
-        self._wake.set()
+        self.wake()
 
     def wake(self) -> None:
         """Wake the loop now (thread-safe); used by worker waiters and the rendezvous."""
         self._wake.set()
+        self._warm.poke()  # a worker start waiting for a warm interpreter gives up
 
     def run(self) -> int:
         """Run until done. Returns 0 (success), 1 (failed for good), or 128+signal."""
@@ -178,6 +182,10 @@ class Agent:
         self._push_events = unsubscribe is not None
         code = 1
         try:
+            # Started now, they import torch while this node joins its first round.
+            self._warm.refill(
+                warm_templates(self._config, {**self._base_env, NODE_ENV: self._history.node})
+            )
             ended = self._loop()
             if ended is not None:
                 code = ended
@@ -381,7 +389,7 @@ class Agent:
         self._wake.clear()
         self._group = WorkerGroup(
             launches, self.wake, console_out=self._console_out, console_err=self._console_err,
-            warm=self._warm,
+            warm=self._warm, interrupted=self._wake,
         )  # fmt: skip
         self._group.start()
         self._warm.refill({ln.ranks.local_rank: (ln.argv, ln.env) for ln in launches})

@@ -234,6 +234,9 @@ def _config(
         run_path=bool(ns.run_path),
         warm_start=not ns.no_warm_start,
         warm_modules=parse_modules("--warm-modules", ns.warm_modules),
+        warm_pool_size=parse_whole(
+            "--warm-pool-size", ns.warm_pool_size, low=0, high=64, what="0 to 64"
+        ),
         entrypoint=entrypoint,
         args=args,
     )

@@ -253,6 +253,14 @@ def build_parser(*, environ: Mapping[str, str] | None = None) -> argparse.Argume
         metavar="MOD[,MOD...]",
         help="modules the interpreters started ahead import (CUDA is never touched)",
     )
+    option(
+        run,
+        "--warm-pool-size",
+        "--warm_pool_size",
+        default="2",
+        metavar="N",
+        help="interpreters kept started ahead per local worker (0: none, as --no-warm-start)",
+    )
 
     what = parser.add_argument_group("what to run")
     option(what, "--role", default="default", help="role name of the workers")

@@ -51,6 +51,7 @@ class LaunchConfig:
         warm_start: start restarted workers from interpreters started ahead
             (:mod:`agent.warm`); ``--no-warm-start`` turns it off.
         warm_modules: what those interpreters import ahead (``--warm-modules``).
+        warm_pool_size: how many are kept per local worker (``--warm-pool-size``).
     """
 
     min_nodes: int
@@ -82,3 +83,4 @@ class LaunchConfig:
     stop_grace_period: float = 5.0
     warm_start: bool = True
     warm_modules: tuple[str, ...] = ("torch",)
+    warm_pool_size: int = 2

@@ -10,10 +10,10 @@ from typing import Any
 
 from agent.config import LaunchConfig
 from agent.logs import LogSpec, console_prefix, plan_attempt
-from agent.ranks import Assignment, Store, publish_master
+from agent.ranks import Assignment, Store, WorkerRanks, publish_master
 from agent.workers import GroupInfo, WorkerLaunch, build_argv, worker_env
 
-__all__ = ["build_launches", "resolve_master"]
+__all__ = ["build_launches", "resolve_master", "warm_templates"]
 
 
 def resolve_master(
@@ -66,3 +66,32 @@ def build_launches(
         )
         for lr in local_ranks
     ]
+
+
+def warm_templates(
+    config: LaunchConfig, base_env: Mapping[str, str]
+) -> dict[int, tuple[list[str], dict[str, str]]]:
+    """Per local rank, the command and environment a worker will have in any round, for
+    starting warm interpreters before the first round (:mod:`agent.warm`): torchrun's
+    per-attempt variables get placeholders, which a warm interpreter never reads."""
+    group = GroupInfo(
+        role=config.role,
+        group_rank=0,
+        group_world_size=1,
+        local_world_size=config.nproc_per_node,
+        master_addr="",
+        master_port=0,
+        restart_count=0,
+        max_restarts=config.max_restarts,
+        run_id="",
+        use_agent_store=False,
+    )
+    templates = {}
+    for lr in range(config.nproc_per_node):
+        argv = build_argv(
+            config.entrypoint, config.args, module=config.module,
+            no_python=config.no_python, run_path=config.run_path, local_rank=lr,
+        )  # fmt: skip
+        env = worker_env(base_env, group, WorkerRanks(lr, lr, lr, 1, 1), error_file="")
+        templates[lr] = (argv, env)
+    return templates

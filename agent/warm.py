@@ -54,6 +54,10 @@ LATE_KEYS = frozenset(
 )  # fmt: skip
 
 _HANDOVER_TIMEOUT = 5.0  # seconds for a ready process to confirm it took the request
+# How long a worker waits for its warm interpreter that is still importing. It started
+# before this worker was asked for, so it is ahead of any cold start on the same cores;
+# a cold start is the fallback only after this, or when the caller is interrupted.
+_READY_WAIT = 30.0
 
 
 @dataclass(frozen=True)
@@ -122,23 +126,39 @@ class _Warm:
 
 
 class WarmPool:
-    """One warm process per local rank, refilled in the background."""
+    """Per local rank, up to ``depth`` warm processes, refilled in the background.
 
-    def __init__(self, modules: Sequence[str] = ("torch",), *, enabled: bool = True) -> None:
+    Two by default: restarts come in bursts (a node lost, then the same node back a few
+    seconds later: two restarts), and a process taken now is replaced by one that needs
+    a few seconds to import; the second one covers that window.
+    """
+
+    def __init__(
+        self, modules: Sequence[str] = ("torch",), *, enabled: bool = True, depth: int = 2
+    ) -> None:
         self._modules = ",".join(dict.fromkeys(m for m in modules if m))
-        self._enabled = enabled
+        self._enabled = enabled and depth > 0
+        self._depth = depth
         self._lock = threading.Lock()
-        self._slots: dict[int, _Warm] = {}
+        self._slots: dict[int, list[_Warm]] = {}  # oldest first
         self._closed = False
         self._disabled_why: str | None = None
+        self._changed = threading.Condition(self._lock)  # a process became ready, or a poke
 
     @property
     def enabled(self) -> bool:
         return self._enabled and self._disabled_why is None
 
+    def ready_count(self, local_rank: int) -> int:
+        """How many processes of ``local_rank`` are ready now."""
+        with self._lock:
+            slot = self._slots.get(local_rank, [])
+            return sum(1 for w in slot if w.ready.is_set() and w.failed is None)
+
     def refill(self, templates: Mapping[int, tuple[Sequence[str], Mapping[str, str]]]) -> None:
-        """Start, for each local rank without a usable process, one that is ready for a
-        worker like ``templates[local_rank]`` = (argv, env). Returns at once."""
+        """Top up each local rank to ``depth`` processes fit for a worker like
+        ``templates[local_rank]`` = (argv, env), discarding those that no longer fit.
+        Returns at once: the processes import in the background."""
         if not self.enabled:
             return
         for local_rank, (argv, env) in templates.items():
@@ -148,17 +168,14 @@ class WarmPool:
             with self._lock:
                 if self._closed:
                     return
-                current = self._slots.get(local_rank)
-                if (
-                    current is not None
-                    and current.python == target.python
-                    and (env_compatible(current.env, env))
-                ):
-                    continue
-                self._slots.pop(local_rank, None)
-            if current is not None:
-                current.discard()
-            self._start(local_rank, target.python, dict(env))
+                slot = self._slots.setdefault(local_rank, [])
+                stale = [w for w in slot if not _fits(w, target, env)]
+                slot[:] = [w for w in slot if w not in stale]
+                missing = self._depth - len(slot)
+            for warm in stale:
+                warm.discard()
+            for _ in range(missing):
+                self._start(local_rank, target.python, dict(env))
 
     def _start(self, local_rank: int, python: str, env: dict[str, str]) -> None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -183,46 +200,70 @@ class WarmPool:
             if self._closed:
                 warm.discard()
                 return
-            self._slots[local_rank] = warm
+            self._slots.setdefault(local_rank, []).append(warm)
         threading.Thread(
             target=self._await, args=(warm,), name=f"warm start {local_rank}", daemon=True
         ).start()
 
+    def poke(self) -> None:
+        """Wake a :meth:`take` waiting for a process to be ready, to check its
+        ``interrupted`` event again (thread-safe)."""
+        with self._changed:
+            self._changed.notify_all()
+
     def _await(self, warm: _Warm) -> None:
         warm.wait_ready()
+        self.poke()
         if warm.failed is None:
             return
         with self._lock:
             first = self._disabled_why is None
             self._disabled_why = warm.failed
-            for rank, slot in list(self._slots.items()):
-                if slot is warm:
-                    del self._slots[rank]
-        warm.discard()
+            stopped = [w for slot in self._slots.values() for w in slot]
+            self._slots = {}
+        for other in {id(w): w for w in [warm, *stopped]}.values():
+            other.discard()
         if first:
             log.info("warm start: off for this agent, workers start cold (%s)", warm.failed)
 
     def take(
         self, local_rank: int, argv: Sequence[str], env: Mapping[str, str], cwd: str,
-        streams: tuple[int, int, int],
+        streams: tuple[int, int, int], interrupted: threading.Event | None = None,
     ) -> Spawned | None:  # fmt: skip
         """Start the worker ``argv``/``env``/``cwd`` on ``streams`` (stdin, stdout,
-        stderr descriptors, which the caller still closes) from the ready process of
-        ``local_rank``; None if there is none or it does not fit (start it cold)."""
+        stderr descriptors, which the caller still closes) from a process of
+        ``local_rank``; None if there is none or none fits (start it cold).
+
+        When every fitting process is still importing, the first to be ready is used
+        (it is ahead of a cold start), waiting up to 30 s or until ``interrupted`` is set
+        (then :meth:`poke`).
+        """
         target = warm_target(argv)
-        with self._lock:
-            warm = self._slots.get(local_rank)
-            usable = (
-                warm is not None
-                and target is not None
-                and warm.ready.is_set()
-                and warm.failed is None
-                and warm.python == target.python
-                and env_compatible(warm.env, env)
-            )
-            if not usable or warm is None or target is None:
+        if target is None:
+            return None
+        with self._changed:
+
+            def ready() -> _Warm | None:
+                fitting = [w for w in self._slots.get(local_rank, []) if _fits(w, target, env)]
+                return next((w for w in fitting if w.ready.is_set() and w.failed is None), None)
+
+            def fitting() -> bool:
+                return any(_fits(w, target, env) for w in self._slots.get(local_rank, []))
+
+            if not fitting():
                 return None
-            del self._slots[local_rank]
+            self._changed.wait_for(
+                lambda: (
+                    ready() is not None
+                    or not fitting()
+                    or (interrupted is not None and interrupted.is_set())
+                ),
+                timeout=_READY_WAIT,
+            )
+            warm = ready()
+            if warm is None:
+                return None
+            self._slots[local_rank].remove(warm)
         request = {
             "mode": target.mode,
             "target": target.target,
@@ -255,6 +296,11 @@ class WarmPool:
         """Stop every unused warm process. Idempotent."""
         with self._lock:
             self._closed = True
-            slots, self._slots = list(self._slots.values()), {}
-        for warm in slots:
+            unused = [w for slot in self._slots.values() for w in slot]
+            self._slots = {}
+        for warm in unused:
             warm.discard()
+
+
+def _fits(warm: _Warm, target: WarmTarget, env: Mapping[str, str]) -> bool:
+    return warm.failed is None and warm.python == target.python and env_compatible(warm.env, env)

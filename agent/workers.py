@@ -232,6 +232,7 @@ class WorkerGroup:
         console_out: TextIO | None = None,
         console_err: TextIO | None = None,
         warm: WarmPool | None = None,
+        interrupted: threading.Event | None = None,
     ) -> None:
         """
         Args:
@@ -241,12 +242,15 @@ class WorkerGroup:
                 at start time).
             warm: ready interpreters to start workers from (:mod:`agent.warm`); a
                 worker none fits starts cold.
+            interrupted: when set (then ``warm.poke()``), a start stops waiting for a
+                warm interpreter that is still importing.
         """
         self._launches = list(launches)
         self._wake = wake
         self._console_out = console_out
         self._console_err = console_err
         self._warm = warm
+        self._interrupted = interrupted
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
         self._started = False
@@ -336,7 +340,7 @@ class WorkerGroup:
                 readers.append(reader)
             spawned = self._warm.take(
                 launch.ranks.local_rank, launch.argv, launch.env, os.getcwd(),
-                (fds[0], fds[1], fds[2]),
+                (fds[0], fds[1], fds[2]), self._interrupted,
             )  # fmt: skip
             if spawned is None:
                 for reader in readers:
