@@ -141,6 +141,8 @@ class WarmPool:
         self._depth = depth
         self._lock = threading.Lock()
         self._slots: dict[int, list[_Warm]] = {}  # oldest first
+        self._templates: dict[int, tuple[WarmTarget, dict[str, str]]] = {}
+        self._top_up_lock = threading.Lock()
         self._closed = False
         self._disabled_why: str | None = None
         self._changed = threading.Condition(self._lock)  # a process became ready, or a poke
@@ -156,9 +158,11 @@ class WarmPool:
             return sum(1 for w in slot if w.ready.is_set() and w.failed is None)
 
     def refill(self, templates: Mapping[int, tuple[Sequence[str], Mapping[str, str]]]) -> None:
-        """Top up each local rank to ``depth`` processes fit for a worker like
+        """Keep each local rank topped up to ``depth`` processes fit for a worker like
         ``templates[local_rank]`` = (argv, env), discarding those that no longer fit.
-        Returns at once: the processes import in the background."""
+        Returns at once. One process per local rank imports at a time (the next starts
+        when it is ready), so a refill never takes more of the cores than a cold start of
+        the same workers would."""
         if not self.enabled:
             return
         for local_rank, (argv, env) in templates.items():
@@ -168,14 +172,24 @@ class WarmPool:
             with self._lock:
                 if self._closed:
                     return
+                self._templates[local_rank] = (target, dict(env))
                 slot = self._slots.setdefault(local_rank, [])
                 stale = [w for w in slot if not _fits(w, target, env)]
                 slot[:] = [w for w in slot if w not in stale]
-                missing = self._depth - len(slot)
             for warm in stale:
                 warm.discard()
-            for _ in range(missing):
-                self._start(local_rank, target.python, dict(env))
+            self._top_up(local_rank)
+
+    def _top_up(self, local_rank: int) -> None:
+        with self._top_up_lock:  # check and start as one step: one import at a time
+            with self._lock:
+                template = self._templates.get(local_rank)
+                slot = self._slots.get(local_rank, [])
+                importing = any(not w.ready.is_set() for w in slot)
+                if self._closed or template is None or importing or len(slot) >= self._depth:
+                    return
+            target, env = template
+            self._start(local_rank, target.python, env)
 
     def _start(self, local_rank: int, python: str, env: dict[str, str]) -> None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -202,8 +216,9 @@ class WarmPool:
                 return
             self._slots.setdefault(local_rank, []).append(warm)
         threading.Thread(
-            target=self._await, args=(warm,), name=f"warm start {local_rank}", daemon=True
-        ).start()
+            target=self._await, args=(local_rank, warm), name=f"warm start {local_rank}",
+            daemon=True,
+        ).start()  # fmt: skip
 
     def poke(self) -> None:
         """Wake a :meth:`take` waiting for a process to be ready, to check its
@@ -211,10 +226,11 @@ class WarmPool:
         with self._changed:
             self._changed.notify_all()
 
-    def _await(self, warm: _Warm) -> None:
+    def _await(self, local_rank: int, warm: _Warm) -> None:
         warm.wait_ready()
         self.poke()
         if warm.failed is None:
+            self._top_up(local_rank)  # the next one imports now
             return
         with self._lock:
             first = self._disabled_why is None
