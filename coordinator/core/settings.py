@@ -378,7 +378,11 @@ class RendezvousSettings:
             cert_key=self.ssl_cert_key,
             user=self.user,
             password=self.password,
-            request_timeout=min(_MAX_REQUEST_TIMEOUT, self.read_timeout),
+            # An attempt stuck longer than a lease TTL is retried on the next member: a
+            # write that reached a member as its leader died is dropped by etcd, which
+            # answers it only after its own 5 s + two elections (measured: a round's
+            # rank exchange waited 5.0 s of a 7 s recovery bound for that).
+            request_timeout=min(_MAX_REQUEST_TIMEOUT, self.read_timeout, float(self.lease_ttl)),
             retry_budget=self.read_timeout,
         )
 

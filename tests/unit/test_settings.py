@@ -153,6 +153,8 @@ def test_etcd_config() -> None:
     # One attempt is capped even when the whole call may take a minute.
     assert _settings().etcd_config().request_timeout == 5.0
     assert _settings().etcd_config().retry_budget == 60.0
+    # ...and by the lease TTL: a write dropped in a leader change is retried in time.
+    assert _settings(lease_ttl="2").etcd_config().request_timeout == 2.0
 
 
 def test_password_never_in_repr() -> None:
