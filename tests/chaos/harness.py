@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import sys
@@ -62,6 +63,7 @@ class ChaosConfig:
     start_timeout_s: float = 180.0  # first formation: every agent and worker imports torch
     settle_timeout_s: float = 45.0
     max_failed_settles: int = 3  # in a row: the job does not recover, stop the plan
+    breakage: str = ""  # a deliberately broken agent (tests/chaos/breakage), to be caught
 
     @property
     def min_nodes(self) -> int:
@@ -127,6 +129,7 @@ def run_chaos(cfg: ChaosConfig) -> ChaosResult:
                 # run would have ended (the reaper kills them long before).
                 "CHAOS_DEADLINE_MONO": str(deadline + cfg.start_timeout_s + 600),
                 "TMPDIR": str(out),
+                **_breakage_env(cfg.breakage),
             },
         ),
         cluster,
@@ -208,6 +211,18 @@ def run_chaos(cfg: ChaosConfig) -> ChaosResult:
     return result
 
 
+BREAKAGES = ("lease_timer", "blind_waits", "no_fencing", "orphans")
+_BREAKAGE_DIR = Path(__file__).with_name("breakage")
+
+
+def _breakage_env(name: str) -> dict[str, str]:
+    """What puts the broken variant ``name`` into the agents (none for "")."""
+    if not name:
+        return {}
+    path = os.pathsep.join(p for p in (str(_BREAKAGE_DIR), os.environ.get("PYTHONPATH")) if p)
+    return {"PYTHONPATH": path, "ETCD_ELASTIC_CHAOS_BREAK": name}
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="scripts/chaos", description=__doc__.splitlines()[0] if __doc__ else None
@@ -220,6 +235,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget", type=float, default=900.0, help="seconds of faults at most")
     parser.add_argument(
         "--kinds", default=",".join(ALL_KINDS), help="comma-separated fault kinds to draw from"
+    )
+    parser.add_argument(
+        "--break",
+        dest="breakage",
+        choices=BREAKAGES,
+        default="",
+        help="run a deliberately broken agent (tests/chaos/breakage): the run must fail",
     )
     return parser
 
@@ -245,6 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kinds=kinds,
         out_dir=args.out,
         budget_s=args.budget,
+        breakage=args.breakage,
     )
     # SIGTERM (a CI job cancelled, `timeout`) unwinds like Ctrl-C, so run_chaos's
     # finally still reaps every agent, worker and etcd member it started.
