@@ -21,6 +21,7 @@ from coordinator.core.etcd_client._failover import (
     PERMISSION,
     REAUTH,
     T,
+    TlsSide,
     _code_name,
     _Ring,
     _status,
@@ -144,6 +145,7 @@ class _Connection:
         self._sleep = sleep or self._wait
         self._ring = _Ring(config.endpoints, self._rng.randrange(len(config.endpoints)))
         self._channels = _Channels(config)
+        self._tls_side = TlsSide(config.protocol, config.ca_cert, config.cert)
         self._auth_lock = threading.Lock()
         self._token: str | None = None  # "" once etcd said auth is not enabled
 
@@ -181,6 +183,7 @@ class _Connection:
             clock=self._clock,
             sleep=self._sleep,
             rng=self._rng,
+            side=self._tls_side,
         )
 
     def _metadata(self, budget: float | None = None) -> Metadata:

@@ -19,6 +19,7 @@ from coordinator.core.etcd_client._failover import (
     PERMISSION,
     REAUTH,
     RETRY,
+    TlsSide,
     _code_name,
     _status,
     backoff_delay,
@@ -102,7 +103,9 @@ class _Watcher:
         what = f"watch on key {state.key_text}"
         if failure is None:
             return EtcdConnectionError(f"etcd did not confirm the {what} within {waited:g} s")
-        return unreachable(what, waited, tried, *failure)
+        config = self._client.config
+        side = TlsSide(config.protocol, config.ca_cert, config.cert)
+        return unreachable(what, waited, tried, *failure, side)
 
     def cancel(self, state: _WatchState) -> None:
         with state.lock:
