@@ -3,8 +3,9 @@ read and write only under the job's key prefix (docs/security.md).
 
 One such etcd serves the module. On it: two agents and rdzvctl run a job, and nothing
 they write (logs, error files, history, rdzvctl's output) nor any worker's environment
-holds the password; each TLS mismatch is one pinned line; the password is rotated under
-a running client, and a client certificate's files are replaced under one.
+holds a password, and the job survives a password rotation; each TLS mismatch is one
+pinned line; the password is rotated under a running client, and a client certificate's
+files are replaced under one.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.core.errors import EtcdAuthError
+from coordinator.core.errors import EtcdAuthError, EtcdTLSError
 from coordinator.core.etcd_client import EtcdClient, EtcdConfig
 from coordinator.etcd_server import EtcdCluster, ServerTLS
 from coordinator.rdzvctl.main import main as rdzvctl_main
@@ -47,6 +49,7 @@ class Secure:
     b: Pki  # a CA nobody trusts
     certs: dict[str, CertFiles]
     password: str  # the password of user "trainer"
+    password2: str  # the password of user "trainer2"
     etcdctl: list[str]  # etcdctl as root, by its certificate
 
     def tls(self, user: str = "trainer") -> dict[str, str]:
@@ -83,6 +86,7 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secure]:
         endpoint = cluster.endpoints[0]
         secure = Secure(
             cluster, endpoint, d, a, b, certs, password=f"pw-{uuid.uuid4().hex}",
+            password2=f"pw2-{uuid.uuid4().hex}",
             etcdctl=[
                 str(_etcdctl_binary(binary)), f"--endpoints=https://{endpoint}",
                 f"--cacert={a.ca}", f"--cert={certs['root'].cert}", f"--key={certs['root'].key}",
@@ -100,6 +104,8 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secure]:
             ("user", "grant-role", "ops", "etcd-elastic"),
             ("user", "add", f"trainer:{secure.password}"),
             ("user", "grant-role", "trainer", "etcd-elastic"),
+            ("user", "add", f"trainer2:{secure.password2}"),
+            ("user", "grant-role", "trainer2", "etcd-elastic"),
             ("user", "add", "rotor:first"),
             ("user", "grant-role", "rotor", "etcd-elastic"),
             ("auth", "enable"),
@@ -249,26 +255,30 @@ def _files_holding(root: Path, secret: bytes, but: Path) -> list[str]:
 def test_two_agents_and_rdzvctl_leave_the_password_in_no_file_and_no_worker(
     secure: Secure, run_id: str, tmp_path: Path
 ) -> None:
+    """Agent a is user trainer, its password in a file; agent b is user trainer2, its
+    password in $ETCD_ELASTIC_PASSWORD. While the workers train, trainer's password is
+    rotated (the file, then etcd): that outdates every token, so both agents authenticate
+    again at their next etcd call, a with the new password read from its file."""
     secret_dir = tmp_path / "secret"
     secret_dir.mkdir(mode=0o700)
     password_file = secret_dir / "etcd-password"
     password_file.write_text(secure.password + "\n")
     password_file.chmod(0o600)
+    rotated = f"rotated-{uuid.uuid4().hex}"
     tr = secure.certs["trainer"]
     tls = (
         f"protocol=https,ca_cert={secure.a.ca},ssl_cert={tr.cert},ssl_cert_key={tr.key},"
-        f"key_prefix={PREFIX},user=trainer"
+        f"key_prefix={PREFIX}"
     )
     report = tmp_path / "report.jsonl"
-    script = ["--epochs", "1", "--steps-per-epoch", "6", "--sleep-per-step", "0.5",
+    script = ["--epochs", "1", "--steps-per-epoch", "8", "--sleep-per-step", "0.5",
               "--report", str(report)]  # fmt: skip
     agents = Agents(run_id, secure.endpoint, tmp_path)
     history = {"ETCD_ELASTIC_HISTORY": str(tmp_path / "history.jsonl")}
     try:
-        # One reads the password from a file, the other from the environment.
         for name, conf, env in (
-            ("a", f"{tls},password_file={password_file}", history),
-            ("b", tls, {**history, "ETCD_ELASTIC_PASSWORD": secure.password}),
+            ("a", f"{tls},user=trainer,password_file={password_file}", history),
+            ("b", f"{tls},user=trainer2", {**history, "ETCD_ELASTIC_PASSWORD": secure.password2}),
         ):
             agents.start(
                 name,
@@ -284,7 +294,12 @@ def test_two_agents_and_rdzvctl_leave_the_password_in_no_file_and_no_worker(
             with contextlib.suppress(OSError):  # ended meanwhile
                 environments[pid] = Path(f"/proc/{pid}/environ").read_bytes()
         assert environments, agents.logs()
-        assert not [pid for pid, env in environments.items() if secure.password.encode() in env]
+        for secret in (secure.password, secure.password2):
+            assert not [pid for pid, env in environments.items() if secret.encode() in env]
+
+        password_file.write_text(rotated + "\n")
+        secure.ctl("user", "passwd", "trainer", "--interactive=false", stdin=rotated + "\n")
+        assert [agent.proc.poll() for agent in agents.procs] == [None, None], agents.logs()
 
         # rdzvctl: by certificate alone (its CN is the user), and by a password file.
         ops = secure.certs["ops"]
@@ -304,11 +319,18 @@ def test_two_agents_and_rdzvctl_leave_the_password_in_no_file_and_no_worker(
             assert agent.wait(STARTED) == 0, agents.logs()
     finally:
         agents.reap()
+    # Closing the run re-authenticates agent a after the rotation. With its old password
+    # it fails there (and, workers done, still exits 0; b then reports that a "left
+    # before arriving"): exit codes alone would not show the rotation was survived.
+    logs = agents.logs()
+    for failure in ("rejected the credentials", "left before arriving", "not every node"):
+        assert failure not in logs, logs
+    assert "reading the password file again" not in logs  # the file came first
     assert (tmp_path / "history.jsonl").stat().st_size > 0
     assert len(list((tmp_path / "logs").rglob("*"))) > 4
-    secret = secure.password.encode()
-    assert _files_holding(tmp_path, secret, but=password_file) == []
-    assert _files_holding(secure.cluster.base_dir, secret, but=password_file) == []
+    for secret in (secure.password, secure.password2, rotated):
+        assert _files_holding(tmp_path, secret.encode(), but=password_file) == []
+        assert _files_holding(secure.cluster.base_dir, secret.encode(), but=password_file) == []
 
 
 # -- rotation -----------------------------------------------------------------------------
@@ -374,3 +396,30 @@ def test_a_running_client_keeps_its_certificate_when_the_files_are_replaced(
         running.put(key, b"2")  # read at its start; the renewed files serve new clients
         with EtcdClient(config) as fresh:
             assert fresh.get(key)[0] is not None
+
+
+def test_a_watch_waiting_for_confirmation_hears_a_refused_handshake_at_once(
+    secure: Secure,
+) -> None:
+    # etcdrun's first etcd call is such a watch: it used to wait out its whole budget.
+    config = EtcdConfig(
+        endpoints=(secure.endpoint,), protocol="https", ca_cert=str(secure.b.ca),
+        cert=str(secure.certs["ops"].cert), cert_key=str(secure.certs["ops"].key),
+        request_timeout=2.0, retry_budget=30.0,
+    )  # fmt: skip
+    errors: list[Exception] = []
+    started = time.monotonic()
+    with EtcdClient(config) as client:
+        watch = client.watch(
+            f"{PREFIX}/w".encode(), 0, lambda events, rev: None, lambda rev: None,
+            on_error=errors.append,
+        )  # fmt: skip
+        with pytest.raises(EtcdTLSError) as info:
+            watch.wait_created()
+    assert time.monotonic() - started < 10.0  # the budget is 30 s
+    assert errors == [info.value]
+    assert str(info.value) == (
+        f"the certificate of etcd at https://{secure.endpoint} is not signed by the CA in "
+        f"{secure.b.ca}: set ca_cert (rdzvctl: --ca-cert) to the CA that signed etcd's "
+        "--cert-file"
+    )
