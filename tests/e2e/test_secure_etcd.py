@@ -149,6 +149,21 @@ def _mismatch_cases(s: Secure, plain: str, expired_ep: str) -> dict[str, tuple[l
             f"the certificate of etcd at https://{ep} is not signed by the CA in {s.b.ca}: set "
             "ca_cert (rdzvctl: --ca-cert) to the CA that signed etcd's --cert-file",
         ),
+        # With a user, the first call is Authenticate: it used to say "no etcd member
+        # answered Authenticate ... Check that etcd runs".
+        "unknown CA, as a user": (
+            [
+                "--endpoints",
+                f"https://{ep}",
+                "--ca-cert",
+                str(s.b.ca),
+                *good[2:],
+                "--user",
+                "trainer",
+            ],
+            f"the certificate of etcd at https://{ep} is not signed by the CA in {s.b.ca}: set "
+            "ca_cert (rdzvctl: --ca-cert) to the CA that signed etcd's --cert-file",
+        ),
         "name not in the certificate": (
             ["--endpoints", f"https://localhost:{port}", *good],
             f"the certificate of etcd at https://localhost:{port} does not name the host "
@@ -209,6 +224,7 @@ def test_each_tls_mismatch_is_one_line_naming_the_endpoint_and_the_fix(
         tls=ServerTLS(expired.cert, expired.key, client_ca=secure.a.ca),
     )  # fmt: skip
     monkeypatch.setenv("GRPC_VERBOSITY", "NONE")  # what rdzvctl's main sets for itself
+    monkeypatch.setenv("ETCD_ELASTIC_PASSWORD", "never-sent")
     with other:
         cases = _mismatch_cases(secure, etcd1.endpoints[0], other.endpoints[0])
         # rdzvctl's main in this process (a Python start-up per case would cost seconds);
