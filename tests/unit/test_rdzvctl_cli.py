@@ -75,6 +75,10 @@ ID_RULE = "use 1-128 characters from A-Z a-z 0-9 . _ - starting with a letter or
             ["list", "--password-file", "/nonexistent/pw"],
             "--password-file: '/nonexistent/pw': no such file",
         ),
+        (
+            ["list", "--user", "u", "--password", "p", "--password-file", __file__],
+            "--password: and --password-file are both set: keep --password-file",
+        ),
         (["list", "--password", "pw"], "--password: is set without --user: give both or neither"),
         (
             ["list", "--ca-cert", "/nonexistent/ca.pem"],
