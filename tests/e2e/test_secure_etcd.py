@@ -287,7 +287,9 @@ def test_two_agents_and_rdzvctl_leave_the_password_in_no_file_and_no_worker(
         f"key_prefix={PREFIX}"
     )
     report = tmp_path / "report.jsonl"
-    script = ["--epochs", "1", "--steps-per-epoch", "8", "--sleep-per-step", "0.5",
+    # 8 s of training after the workers report: room for the rotation on a loaded machine
+    # (the test checks that both agents still ran once it was done).
+    script = ["--epochs", "1", "--steps-per-epoch", "16", "--sleep-per-step", "0.5",
               "--report", str(report)]  # fmt: skip
     agents = Agents(run_id, secure.endpoint, tmp_path)
     history = {"ETCD_ELASTIC_HISTORY": str(tmp_path / "history.jsonl")}
