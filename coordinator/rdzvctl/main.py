@@ -43,6 +43,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             level=os.environ.get("LOGLEVEL", "ERROR").upper(),
             format=f"{PROG}: %(levelname)s %(name)s: %(message)s",
         )
+    # gRPC's C core logs each refused TLS handshake to stderr on its own (grpc >= 1.6x);
+    # our error is the one line that names the endpoint and the fix. Set before grpc
+    # loads (parse_args may load it); GRPC_VERBOSITY=INFO or DEBUG brings them back.
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     opts = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return run_command(opts, sys.stdout, sys.stderr)

@@ -20,8 +20,8 @@ from agent.config import LaunchConfig
 ROOT = Path(__file__).resolve().parents[2]
 KNOWN_KEYS = (
     "ca_cert, close_timeout, is_host, join_timeout, keep_alive_interval, "
-    "keep_alive_max_attempt, key_prefix, last_call_timeout, lease_ttl, password, protocol, "
-    "rank, read_timeout, ssl_cert, ssl_cert_key, store_type, timeout, user"
+    "keep_alive_max_attempt, key_prefix, last_call_timeout, lease_ttl, password, password_file, "
+    "protocol, rank, read_timeout, ssl_cert, ssl_cert_key, store_type, timeout, user"
 )
 REDIRECT_HINT = (
     "give e.g. 3 (stdout and stderr of every worker) or 0:1,1:2 (stdout of rank 0, stderr "

@@ -66,7 +66,19 @@ ID_RULE = "use 1-128 characters from A-Z a-z 0-9 . _ - starting with a letter or
             ["list", "--read-timeout", "soon"],
             "--read-timeout: 'soon' is not a number of seconds above 0",
         ),
-        (["list", "--user", "root"], "--user: is set without --password (or $RDZVCTL_PASSWORD)"),
+        (
+            ["list", "--user", "root"],
+            "--user: is set without a password: give --password-file FILE or set "
+            "$RDZVCTL_PASSWORD or $ETCD_ELASTIC_PASSWORD",
+        ),
+        (
+            ["list", "--password-file", "/nonexistent/pw"],
+            "--password-file: '/nonexistent/pw': no such file",
+        ),
+        (
+            ["list", "--user", "u", "--password", "p", "--password-file", __file__],
+            "--password: and --password-file are both set: keep --password-file",
+        ),
         (["list", "--password", "pw"], "--password: is set without --user: give both or neither"),
         (
             ["list", "--ca-cert", "/nonexistent/ca.pem"],
@@ -177,3 +189,26 @@ def test_help_answers_without_grpc_or_the_etcd_client() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: rdzvctl ")
     assert done.stdout.splitlines()[-1] == "[]"
+
+
+def test_password_file_and_the_shared_variable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from coordinator.core.settings import PASSWORD_ENV
+    from coordinator.rdzvctl.cli import SHARED_PASSWORD_ENV
+
+    assert SHARED_PASSWORD_ENV == PASSWORD_ENV
+    secret = tmp_path / "pw"
+    secret.write_text("from-file\n")
+    env = {"ETCD_ELASTIC_PASSWORD": "shared", "RDZVCTL_PASSWORD": "own"}
+    by_file = parse_args(["list", "--user", "ops", "--password-file", str(secret)], environ=env)
+    assert (by_file.etcd.password, by_file.etcd.password_file) == (None, str(secret))
+    own = parse_args(["list", "--user", "ops"], environ=env)
+    assert own.etcd.password == "own" and "own" not in repr(own)
+    shared = parse_args(["list", "--user", "ops"], environ={"ETCD_ELASTIC_PASSWORD": "shared"})
+    assert shared.etcd.password == "shared" and "shared" not in repr(shared)
+    with pytest.raises(SystemExit):
+        parse_args(["list", "--password-file", str(secret)], environ={})
+    assert capsys.readouterr().err == (
+        "rdzvctl: error: --password-file: is set without --user: give both or neither\n"
+    )

@@ -254,7 +254,12 @@ def test_empty_strings_mean_unset() -> None:
             "rdzv_endpoint 'https://h1' uses https:// but rdzv_conf protocol='http': "
             "make them agree",
         ),
-        ({"user": "u"}, "rdzv_conf user is set without password: give both or neither"),
+        (
+            {"user": "u"},
+            "rdzv_conf user='u' has no password: give password_file=FILE or set "
+            "$ETCD_ELASTIC_PASSWORD (or use a client certificate whose CN is the user, "
+            "without user)",
+        ),
         ({"password": "p"}, "rdzv_conf password is set without user: give both or neither"),
         ({"key_prefix": "x"}, "rdzv_conf key_prefix='x' is invalid: it must start with '/'"),
         (
@@ -346,3 +351,64 @@ def test_torch_checks_min_max_first_and_we_check_again() -> None:
     params.min_nodes = 3
     with pytest.raises(ConfigError, match=r"^--nnodes: minimum 3 is greater than maximum 2$"):
         RendezvousSettings.from_parameters(params)
+
+
+# --- where the password comes from -------------------------------------------------------
+
+
+def test_password_from_the_environment_when_only_user_is_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ETCD_ELASTIC_PASSWORD", "from-env")
+    s = _settings(user="u")
+    assert s.password == "from-env" and "from-env" not in repr(s)
+    config = s.etcd_config()
+    assert config.password == "from-env" and "from-env" not in repr(config)
+
+
+def test_password_file_is_passed_to_the_client_and_wins_over_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ETCD_ELASTIC_PASSWORD", "from-env")
+    secret = tmp_path / "pw"
+    secret.write_text("from-file\n")
+    s = _settings(user="u", password_file=str(secret))
+    assert (s.password, s.password_file) == (None, str(secret))
+    config = s.etcd_config()
+    assert (config.password, config.password_file) == (None, str(secret))
+
+
+def test_password_in_rdzv_conf_still_works_with_one_warning(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("coordinator.core.settings._warned_visible_password", False)
+    with caplog.at_level(logging.WARNING, logger="coordinator.core.settings"):
+        assert _settings(user="u", password="visible").password == "visible"
+        _settings(user="u", password="visible")
+    assert [r.getMessage() for r in caplog.records] == [
+        "rdzv_conf password=... is visible to every user of this machine (ps, "
+        "/proc/*/cmdline, PET_RDZV_CONF): use password_file=FILE or $ETCD_ELASTIC_PASSWORD "
+        "instead"
+    ]
+    assert "visible" not in caplog.text.replace("is visible to", "")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"password_file": "PW"}, "rdzv_conf password_file is set without user: give both or "
+         "neither"),
+        ({"user": "u", "password": "p", "password_file": "PW"},
+         "rdzv_conf password and password_file are both set: keep password_file"),
+        ({"user": "u", "password_file": "/nonexistent/pw"},
+         "rdzv_conf password_file='/nonexistent/pw': no such file"),
+    ],
+)  # fmt: skip
+def test_password_source_errors(tmp_path: Path, kwargs: dict[str, str], message: str) -> None:
+    secret = tmp_path / "pw"
+    secret.write_text("x")
+    if kwargs.get("password_file") == "PW":
+        kwargs = {**kwargs, "password_file": str(secret)}
+    with pytest.raises(ConfigError) as info:
+        _settings(**kwargs)
+    assert str(info.value) == message

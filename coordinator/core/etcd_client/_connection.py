@@ -21,6 +21,7 @@ from coordinator.core.etcd_client._failover import (
     PERMISSION,
     REAUTH,
     T,
+    TlsSide,
     _code_name,
     _Ring,
     _status,
@@ -144,8 +145,10 @@ class _Connection:
         self._sleep = sleep or self._wait
         self._ring = _Ring(config.endpoints, self._rng.randrange(len(config.endpoints)))
         self._channels = _Channels(config)
+        self._tls_side = TlsSide(config.protocol, config.ca_cert, config.cert)
         self._auth_lock = threading.Lock()
         self._token: str | None = None  # "" once etcd said auth is not enabled
+        self._authenticated = False  # etcd accepted our password once
 
     def _wait(self, seconds: float) -> None:
         # A wait that close() ends early, so a closing client does not sit out a backoff.
@@ -181,6 +184,7 @@ class _Connection:
             clock=self._clock,
             sleep=self._sleep,
             rng=self._rng,
+            side=self._tls_side,
         )
 
     def _metadata(self, budget: float | None = None) -> Metadata:
@@ -193,17 +197,47 @@ class _Connection:
             token = self._token
         return (("token", token),) if token else None
 
+    def _password(self) -> str:
+        """The password, read again from ``password_file`` each time (rotation)."""
+        config = self._config
+        if config.password_file is None:
+            return config.password or ""
+        try:
+            with open(config.password_file, encoding="utf-8") as handle:
+                return handle.read().rstrip("\r\n")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise EtcdAuthError(
+                f"cannot read the etcd password file {config.password_file!r} of user "
+                f"{config.user!r}: {getattr(exc, 'strerror', None) or exc}; check the path "
+                "and its permissions"
+            ) from None
+
     def _authenticate(self, budget: float) -> str:
-        request = etcdrpc.AuthenticateRequest(
-            name=self._config.user, password=self._config.password
-        )
+        start = self._clock()
+        while True:
+            try:
+                return self._authenticate_once(budget)
+            except EtcdAuthError:
+                # A password that worked before and fails now is being rotated: the file
+                # and etcd may disagree for a moment. Read it again within the budget.
+                rotating = self._authenticated and self._config.password_file is not None
+                if not rotating or self._clock() - start >= budget:
+                    raise
+                log.info("etcd refused the password of user %r; reading the password file "
+                         "again (rotation?)", self._config.user)  # fmt: skip
+                self._sleep(0.5)
+
+    def _authenticate_once(self, budget: float) -> str:
+        request = etcdrpc.AuthenticateRequest(name=self._config.user, password=self._password())
 
         def attempt(index: int, timeout: float) -> str:
             stubs = self._channels.stubs(index)
             return str(stubs.auth.Authenticate(request, timeout=timeout).token)
 
         try:
-            return self._failover("Authenticate", attempt, budget)
+            token = self._failover("Authenticate", attempt, budget)
+            self._authenticated = True
+            return token
         except grpc.RpcError as exc:
             code, details = _status(exc)
             kind = classify_status(code, details)

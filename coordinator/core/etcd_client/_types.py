@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from coordinator.core.errors import ConfigError
@@ -30,7 +30,10 @@ class EtcdConfig:
         endpoints: ``host:port`` of each member, at least one.
         protocol: ``https`` for TLS (``ca_cert`` verifies the server; ``cert`` and
             ``cert_key`` are the client certificate, both or neither).
-        user, password: etcd user auth, both or neither.
+        user, password: etcd user auth; the password is never shown in the repr.
+        password_file: instead of ``password``, a file holding it (one line; a trailing
+            newline is ignored), read again at every authentication, so a password
+            rotated in the file reaches a running client.
         request_timeout: upper bound, in seconds, for one attempt of one unary RPC.
         retry_budget: upper bound, in seconds, for all retries and failover of one call
             (every endpoint is tried at least once even if that takes longer).
@@ -45,7 +48,8 @@ class EtcdConfig:
     cert: str | None = None
     cert_key: str | None = None
     user: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)
+    password_file: str | None = None
     request_timeout: float = 5.0
     retry_budget: float = 30.0
 
@@ -66,7 +70,10 @@ class EtcdConfig:
             raise ConfigError(
                 "etcd TLS files were given but protocol is 'http'; set protocol=https"
             )
-        if (self.user is None) != (self.password is None):
+        if self.password is not None and self.password_file is not None:
+            raise ConfigError("etcd auth: give the password or a password file, not both")
+        has_password = self.password is not None or self.password_file is not None
+        if (self.user is None) == has_password:
             raise ConfigError("etcd auth: give both user and password, or neither")
         if not self.request_timeout > 0 or not self.retry_budget > 0:
             raise ConfigError(

@@ -19,10 +19,12 @@ from coordinator.core.etcd_client._failover import (
     PERMISSION,
     REAUTH,
     RETRY,
+    TlsSide,
     _code_name,
     _status,
     backoff_delay,
     classify_status,
+    tls_mismatch,
     unreachable,
 )
 from coordinator.core.etcd_client._watch import _event, _watch_error, _WatchState
@@ -76,6 +78,9 @@ class _Watcher:
         self._tried: list[str] = []
         self._last_failure: tuple[str, Any, str] | None = None
         self._quiet = False  # a break was logged since the last answer: the rest at debug
+        # Endpoints whose last failure was a TLS mismatch certain to repeat, since the
+        # stream last got an answer: once it is every endpoint, unconfirmed watches end.
+        self._tls_refused: set[str] = set()
 
     # -- what Watch and EtcdClient call ---------------------------------------------------
 
@@ -102,7 +107,9 @@ class _Watcher:
         what = f"watch on key {state.key_text}"
         if failure is None:
             return EtcdConnectionError(f"etcd did not confirm the {what} within {waited:g} s")
-        return unreachable(what, waited, tried, *failure)
+        config = self._client.config
+        side = TlsSide(config.protocol, config.ca_cert, config.cert)
+        return unreachable(what, waited, tried, *failure, side)
 
     def cancel(self, state: _WatchState) -> None:
         with state.lock:
@@ -238,16 +245,38 @@ class _Watcher:
         with self._cond:
             self.endpoint = name
             self._tried, self._last_failure = [], None
+            self._tls_refused.clear()
             quiet, self._quiet = self._quiet, False
         if quiet:
             log.info("etcd watch stream open again on %s; every watch resumes", name)
 
     def _failed(self, name: str, code: Any, details: str) -> None:
+        config = self._client.config
+        side = TlsSide(config.protocol, config.ca_cert, config.cert)
+        mismatch = tls_mismatch(details, [name], side)
         with self._cond:
             if name not in self._tried:
                 self._tried.append(name)
             self._last_failure = (name, code, details)
+            if mismatch is not None and mismatch[1]:
+                self._tls_refused.add(name)
+            else:
+                self._tls_refused.discard(name)
+            refused = len(self._tls_refused) == len(config.endpoints)
+            tried = list(self._tried)
         self._broke(name, f"{_code_name(code)}: {details}")
+        if refused:
+            # Every member refuses the handshake for a reason a retry cannot fix: a watch
+            # still waiting for etcd's confirmation hears it now, not after its budget.
+            # Watches already running keep retrying (a member may get its certificate
+            # fixed under a running job).
+            error = unreachable("watch", 0.0, tried, name, code, details, side, tried)
+            with self._cond:
+                waiting = [state for state in self._watches if not state.created.is_set()]
+                for state in waiting:
+                    self._forget(state, tell_etcd=False)
+            for state in waiting:
+                state.end(error)
 
     def _broke(self, name: str, why: str) -> None:
         if self._closed:
