@@ -103,6 +103,7 @@ class Agent:
         self._group_rank = -1
         self._group_world_size = 0
         self._store: Store | None = None
+        self._bootstrap: object | None = None
         self._group: WorkerGroup | None = None
         self._warm = WarmPool(
             config.warm_modules, enabled=config.warm_start, depth=config.warm_pool_size
@@ -362,6 +363,8 @@ class Agent:
             return False
         group_rank, group_world_size = formed.info.rank, formed.info.world_size
         self._store, self._group_rank = formed.store, group_rank
+        # This round's bootstrap store (group rank 0); the last round's server stops here.
+        self._bootstrap = formed.bootstrap_server
         if self._budget.settle(group_world_size):
             log.info(
                 "%s: the group shrank to %d nodes: the worker failure followed a node's "

@@ -4,34 +4,64 @@ and log files, computed from the round's outcome (pure but for the store exchang
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agent.bootstrap import host_bootstrap_store
 from agent.config import LaunchConfig
 from agent.logs import LogSpec, console_prefix, plan_attempt
 from agent.ranks import Assignment, Store, WorkerRanks, publish_master
 from agent.workers import GroupInfo, WorkerLaunch, build_argv, worker_env
 
-__all__ = ["build_launches", "resolve_master", "warm_templates"]
+__all__ = ["Master", "build_launches", "resolve_master", "warm_templates"]
+
+# Set by the agent of group rank 0 when it hosts the workers' bootstrap store.
+_AGENT_STORE = "etcd_elastic/agent_store"
 
 
-def resolve_master(
-    config: LaunchConfig, info: Any, store: Store, group_rank: int
-) -> tuple[str, int]:
+@dataclass(frozen=True)
+class Master:
+    """Where this round's workers bootstrap: ``server`` is the store this agent hosts
+    for them (group rank 0, ours), kept alive for the round; None elsewhere."""
+
+    addr: str
+    port: int
+    agent_store: bool
+    server: Any = None
+
+
+def resolve_master(config: LaunchConfig, info: Any, store: Store, group_rank: int) -> Master:
     """MASTER_ADDR/MASTER_PORT of the round: ``--master-addr/--master-port`` first, then the
-    handler's bootstrap info, else group rank 0 publishes a free port through the store."""
+    handler's bootstrap info, else the agent of group rank 0 starts the workers' bootstrap
+    store (:mod:`agent.bootstrap`) and publishes its port through the round's store.
+
+    Raises:
+        BootstrapStoreError: group rank 0 cannot listen on ``--master-port``.
+        ValueError: a published value is not what an agent writes.
+    """
     bootstrap = getattr(info, "bootstrap_store_info", None)
     if bootstrap is not None and bootstrap.master_port:
-        # The handler already agreed on rank 0's address (torch's handlers, ours); with an
+        # The handler already agreed on rank 0's address (torch's handlers); with an
         # agent store the workers must connect exactly there.
-        return (
+        return Master(
             config.master_addr or bootstrap.master_addr,
             config.master_port or bootstrap.master_port,
+            agent_store=False,
         )
-    return publish_master(
-        store, group_rank, config.local_addr, config.master_addr, config.master_port
-    )
+    server = None
+    port = config.master_port
+    if group_rank == 0:
+        addr = config.master_addr or config.local_addr or socket.getfqdn()
+        server = host_bootstrap_store(addr, config.master_port)
+        port = server.port
+        store.set(_AGENT_STORE, "1")
+    addr, port = publish_master(store, group_rank, config.local_addr, config.master_addr, port)
+    # Agents that host no store (older versions) publish none: their workers host it.
+    agent_store = store.check([_AGENT_STORE]) if group_rank != 0 else True
+    return Master(addr, port, agent_store=bool(agent_store), server=server)
 
 
 def build_launches(

@@ -26,6 +26,7 @@ from typing import Any
 from torch.distributed import DistStoreError
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler
 
+from agent.bootstrap import BootstrapStoreError
 from agent.config import LaunchConfig
 from agent.ending import exit_barrier
 from agent.launches import resolve_master
@@ -65,6 +66,7 @@ class Formed:
     master_addr: str
     master_port: int
     use_agent_store: bool
+    bootstrap_server: Any = None  # the workers' bootstrap store this agent hosts, if any
 
     @property
     def store(self) -> Store:
@@ -104,11 +106,15 @@ def form_round(handler: RendezvousHandler, config: LaunchConfig, phase: Phase[Fo
         assignment = exchange_ranks(
             store, RoleInfo(config.role, info.rank, config.nproc_per_node), info.world_size
         )
-        master_addr, master_port = resolve_master(config, info, store, info.rank)
-    except (DistStoreError, ValueError) as exc:
+        master = resolve_master(config, info, store, info.rank)
+    except (DistStoreError, ValueError, BootstrapStoreError) as exc:
         text = " ".join(str(exc).split())
         raise RankExchangeError(f"round formed, but the rank exchange failed: {text}") from exc
-    return Formed(info, assignment, master_addr, master_port, bool(handler.use_agent_store))
+    return Formed(
+        info, assignment, master.addr, master.port,
+        use_agent_store=bool(handler.use_agent_store) or master.agent_store,
+        bootstrap_server=master.server,
+    )  # fmt: skip
 
 
 def formation_changed(handler: RendezvousHandler) -> Callable[[Phase[Formed]], str | None]:
