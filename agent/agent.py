@@ -28,6 +28,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import TextIO
 
@@ -60,6 +61,9 @@ from agent.workers import (
 )
 
 __all__ = ["Agent", "signal_exit_code"]
+
+# How long a starting agent lets its warm interpreters import before it joins anyway.
+_WARM_BEFORE_JOIN_S = 60.0
 
 log = logging.getLogger(__name__)
 
@@ -183,10 +187,7 @@ class Agent:
         self._push_events = unsubscribe is not None
         code = 1
         try:
-            # Started now, they import torch while this node joins its first round.
-            self._warm.refill(
-                warm_templates(self._config, {**self._base_env, NODE_ENV: self._history.node})
-            )
+            self._prepare_warm_pool()
             ended = self._loop()
             if ended is not None:
                 code = ended
@@ -207,6 +208,24 @@ class Agent:
             if unsubscribe is not None:
                 unsubscribe()
             self._history.exited(code)
+
+    def _prepare_warm_pool(self) -> None:
+        """Start a warm interpreter per local worker and let it import before this node
+        joins: a node that joins a running job makes every other node restart, and they
+        would then wait for this node's workers to import torch; joining with them ready
+        costs the others a warm restart only. The wait is what the first workers' import
+        would take anyway, at most ``_WARM_BEFORE_JOIN_S``; a stop request or a
+        membership event ends it."""
+        templates = warm_templates(self._config, {**self._base_env, NODE_ENV: self._history.node})
+        self._warm.refill(templates)
+        if not self._warm.enabled:
+            return
+        started = time.monotonic()
+        full = self._warm.wait_ready(_WARM_BEFORE_JOIN_S, self._wake)
+        log.info(
+            "%s: warm interpreters %s after %.1f s",
+            self._ctx(), "ready" if full else "not all ready", time.monotonic() - started,
+        )  # fmt: skip
 
     # -- the loop ------------------------------------------------------------------
 

@@ -220,6 +220,25 @@ class WarmPool:
             daemon=True,
         ).start()  # fmt: skip
 
+    def wait_ready(self, timeout: float, interrupted: threading.Event | None = None) -> bool:
+        """Block until every local rank refilled has a ready process (or the pool is
+        off), at most ``timeout`` seconds or until ``interrupted`` is set (then
+        :meth:`poke`). True if every one has."""
+
+        def full() -> bool:
+            if not self.enabled or self._closed:
+                return True
+            return all(
+                any(w.ready.is_set() for w in self._slots.get(rank, [])) for rank in self._templates
+            )
+
+        with self._changed:
+            self._changed.wait_for(
+                lambda: full() or (interrupted is not None and interrupted.is_set()),
+                timeout=timeout,
+            )
+            return full()
+
     def poke(self) -> None:
         """Wake a :meth:`take` waiting for a process to be ready, to check its
         ``interrupted`` event again (thread-safe)."""
