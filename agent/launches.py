@@ -33,23 +33,28 @@ class Master:
     server: Any = None
 
 
-def resolve_master(config: LaunchConfig, info: Any, store: Store, group_rank: int) -> Master:
-    """MASTER_ADDR/MASTER_PORT of the round: ``--master-addr/--master-port`` first, then the
-    handler's bootstrap info, else the agent of group rank 0 starts the workers' bootstrap
-    store (:mod:`agent.bootstrap`) and publishes its port through the round's store.
+def resolve_master(
+    config: LaunchConfig, info: Any, store: Store, group_rank: int, *, handler_store: bool = False
+) -> Master:
+    """MASTER_ADDR/MASTER_PORT of the round. When the handler hosts the workers' store
+    itself (``handler_store``: torch's c10d handler with its agent store), its bootstrap
+    info, with ``--master-addr/--master-port`` first. Otherwise the agent of group rank 0
+    starts the workers' bootstrap store (:mod:`agent.bootstrap`; on ``--master-port`` if
+    given) and publishes where through the round's store. A handler's suggested port
+    (ours: one rank 0's node found free when it joined) is not used: nothing listens on
+    it until a worker binds it, and it can be taken in between.
 
     Raises:
         BootstrapStoreError: group rank 0 cannot listen on ``--master-port``.
         ValueError: a published value is not what an agent writes.
     """
     bootstrap = getattr(info, "bootstrap_store_info", None)
-    if bootstrap is not None and bootstrap.master_port:
-        # The handler already agreed on rank 0's address (torch's handlers); with an
-        # agent store the workers must connect exactly there.
+    if handler_store and bootstrap is not None and bootstrap.master_port:
+        # The handler's own store serves the workers: they must connect exactly there.
         return Master(
             config.master_addr or bootstrap.master_addr,
             config.master_port or bootstrap.master_port,
-            agent_store=False,
+            agent_store=True,
         )
     server = None
     port = config.master_port

@@ -106,13 +106,15 @@ def form_round(handler: RendezvousHandler, config: LaunchConfig, phase: Phase[Fo
         assignment = exchange_ranks(
             store, RoleInfo(config.role, info.rank, config.nproc_per_node), info.world_size
         )
-        master = resolve_master(config, info, store, info.rank)
+        master = resolve_master(
+            config, info, store, info.rank, handler_store=bool(handler.use_agent_store)
+        )
     except (DistStoreError, ValueError, BootstrapStoreError) as exc:
         text = " ".join(str(exc).split())
         raise RankExchangeError(f"round formed, but the rank exchange failed: {text}") from exc
     return Formed(
         info, assignment, master.addr, master.port,
-        use_agent_store=bool(handler.use_agent_store) or master.agent_store,
+        use_agent_store=master.agent_store,
         bootstrap_server=master.server,
     )  # fmt: skip
 
