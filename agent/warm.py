@@ -15,8 +15,10 @@ A warm process is used only when the result is the same as a cold ``python -u``:
   Anything else (a user variable read at start-up, ``OMP_NUM_THREADS`` read by OpenMP
   when it loads, ``PYTHONHASHSEED``...) must match, or the worker starts cold.
 
-Otherwise, and whenever no warm process is ready, the worker starts cold: a warm start
-is never waited for. Warm processes are started through :func:`coordinator.core.lifeline.spawn`
+Otherwise the worker starts cold, and so it does when no process of its local rank
+exists. One still importing is waited for (it started before the worker was asked for,
+so it is ahead of a cold start on the same cores), up to 30 s or until the agent's loop
+is woken. Warm processes are started through :func:`coordinator.core.lifeline.spawn`
 in a session of their own, so they die with the agent and are stopped as workers are.
 """
 

