@@ -410,11 +410,13 @@ class RendezvousSettings:
             user=self.user,
             password=self.password,
             password_file=self.password_file,
-            # An attempt stuck longer than a lease TTL is retried on the next member: a
-            # write that reached a member as its leader died is dropped by etcd, which
-            # answers it only after its own 5 s + two elections (measured: a round's
-            # rank exchange waited 5.0 s of a 7 s recovery bound for that).
-            request_timeout=min(_MAX_REQUEST_TIMEOUT, self.read_timeout, float(self.lease_ttl)),
+            # An attempt stuck longer than half a lease TTL (at least 1 s) is retried on
+            # the next member: a write that reached a member as its leader died is
+            # dropped by etcd, which answers it only after its own 5 s + two elections
+            # (measured: a round's rank exchange waited 5.0 s of a 7 s recovery bound).
+            request_timeout=min(
+                _MAX_REQUEST_TIMEOUT, self.read_timeout, max(1.0, self.lease_ttl / 2)
+            ),
             retry_budget=self.read_timeout,
         )
 

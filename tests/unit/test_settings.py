@@ -147,14 +147,17 @@ def test_etcd_config() -> None:
         protocol="http",
         user="u",
         password="p",
-        request_timeout=3.0,
+        request_timeout=2.5,
         retry_budget=3.0,
     )
     # One attempt is capped even when the whole call may take a minute.
-    assert _settings().etcd_config().request_timeout == 5.0
+    assert _settings(lease_ttl="30").etcd_config().request_timeout == 5.0
     assert _settings().etcd_config().retry_budget == 60.0
-    # ...and by the lease TTL: a write dropped in a leader change is retried in time.
-    assert _settings(lease_ttl="2").etcd_config().request_timeout == 2.0
+    # ...and by half the lease TTL, at least 1 s: a write dropped in a leader change is
+    # retried in time.
+    assert _settings().etcd_config().request_timeout == 2.5
+    assert _settings(lease_ttl="3").etcd_config().request_timeout == 1.5
+    assert _settings(lease_ttl="1").etcd_config().request_timeout == 1.0
 
 
 def test_password_never_in_repr() -> None:
