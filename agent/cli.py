@@ -127,10 +127,51 @@ def _warn_ignored(ns: argparse.Namespace) -> None:
 # -- parse ---------------------------------------------------------------------------------
 
 
+def scheduler_run_id(environ: Mapping[str, str]) -> str | None:
+    """A run id every node of one scheduled job derives alike, or None outside one.
+
+    Slurm: ``slurm-<SLURM_JOB_ID>[.<SLURM_STEP_ID>]``: the job id is kept when Slurm
+    requeues the job (a retry finds its run), and the step id keeps two ``srun`` steps of
+    one allocation apart.
+    """
+    job, step = environ.get("SLURM_JOB_ID", "").strip(), environ.get("SLURM_STEP_ID", "").strip()
+    if not job:
+        return None
+    candidate = f"slurm-{job}" + (f".{step}" if step else "")
+    try:
+        return validate_run_id(candidate)
+    except ConfigError:
+        return None
+
+
+def _run_id(given: str, standalone: bool, max_nodes: int, environ: Mapping[str, str]) -> str | None:
+    """The run id to use; None: a multi-node job without one (refused)."""
+    if given not in ("none", ""):
+        return given
+    if standalone or max_nodes == 1:
+        # One node: nobody else joins, so a random id cannot split a job, and two such
+        # jobs on one etcd never meet.
+        return str(uuid.uuid4())
+    derived = scheduler_run_id(environ)
+    if derived is not None:
+        log.info("no --rdzv-id: run id %s from the scheduler's environment", derived)
+    return derived
+
+
+def _missing_run_id(max_nodes: int) -> UsageError:
+    return UsageError(
+        "--rdzv-id",
+        f"missing; a job of up to {max_nodes} nodes needs a run id that all its nodes share "
+        "and no other job uses (two jobs without one would share a run): give e.g. "
+        "--rdzv-id=job42 (under Slurm, SLURM_JOB_ID gives one)",
+    )
+
+
 def _config(
     ns: argparse.Namespace,
     cuda_device_count: Callable[[], int],
     cpu_count: Callable[[], int],
+    environ: Mapping[str, str],
 ) -> LaunchConfig:
     min_nodes, max_nodes = parse_nnodes(ns.nnodes)
     try:
@@ -170,9 +211,7 @@ def _config(
             f"--standalone runs one node but --nnodes={ns.nnodes} allows {max_nodes}; "
             "drop --standalone and give --rdzv-endpoint of an etcd all nodes can reach",
         )
-    rdzv_id = ns.rdzv_id.strip()
-    if standalone and rdzv_id == "none":
-        rdzv_id = str(uuid.uuid4())
+    run_id = _run_id(ns.rdzv_id.strip(), standalone, max_nodes, environ)
     master_port = ns.master_port
     master_addr = ns.master_addr
     local_addr = ns.local_addr
@@ -188,12 +227,14 @@ def _config(
         entrypoint="",
         rdzv_backend=backend,
         rdzv_endpoint=endpoint,
-        rdzv_id=rdzv_id,
+        rdzv_id=run_id or "none",
         rdzv_conf=parse_rdzv_conf(ns.rdzv_conf),
         standalone=standalone,
         local_addr=local_addr,
     )
     _check_rendezvous(config)
+    if not run_id:
+        raise _missing_run_id(max_nodes)
     shutdown = ns.shutdown_timeout
     config = dataclasses.replace(
         config,
@@ -250,13 +291,15 @@ def parse_args(
         device_count: returns the number of CUDA devices (for ``gpu``/``auto``); default
             asks torch.
         cpu_count: returns the number of usable CPUs (for ``cpu``/``auto``).
-        environ: where ``PET_*`` defaults are read from; default ``os.environ``.
+        environ: where ``PET_*`` defaults (and a scheduler's job id, see
+            :data:`SCHEDULER_RUN_IDS`) are read from; default ``os.environ``.
 
     Returns:
         The validated configuration. ``--nproc-per-node`` is resolved to a number,
         ``--redirects``/``--tee`` to a value per local rank; a one-node job without
-        ``--rdzv-endpoint`` becomes ``standalone`` (as torchrun does), and a standalone
-        run without ``--rdzv-id`` gets a random one.
+        ``--rdzv-endpoint`` becomes ``standalone`` (as torchrun does); a one-node run
+        without ``--rdzv-id`` gets a random one, a multi-node run one from the scheduler
+        (``slurm-<SLURM_JOB_ID>[.<SLURM_STEP_ID>]``), or else it is refused (exit 2).
 
     Raises:
         SystemExit: code 2 after printing ``etcdrun: error: <flag>: <reason>`` for any
@@ -269,6 +312,7 @@ def parse_args(
             ns,
             device_count or devices.cuda_device_count,
             cpu_count or devices.cpu_count,
+            os.environ if environ is None else environ,
         )
     except UsageError as exc:
         parser.error(str(exc))

@@ -1,7 +1,7 @@
 """The one exception tree of the core (it imports no torch)::
 
     EtcdElasticError
-    ├── RunClosedError                 the run was closed; nobody may join again
+    ├── RunClosedError                 the run (this node's incarnation) was closed
     ├── JoinTimeoutError               join_timeout passed before a round completed
     ├── EtcdConnectionError            no etcd member answered (names the endpoints)
     │   ├── EtcdAuthError              wrong user/password or not permitted

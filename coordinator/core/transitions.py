@@ -20,6 +20,15 @@ Round rules (DESIGN §4): nodes ask for ``state.round + 1``. A round may form on
 with ``max_nodes`` joiners; with ``min_nodes`` it completes when the last call ends, or
 at once when every live participant of the last round has joined (a restart need not
 wait out last call). Survivors keep their rank order; newcomers follow by arrival.
+
+Incarnations (a run started again with the same id): a node belongs to the incarnation it
+first asked to join (:func:`incarnation_to_join`). A closed run admits no node of its own
+incarnation; a node that arrives at a closed run asks for ``incarnation + 1`` and waits;
+once every live node key belongs to ``incarnation + 1`` (every node of the ended one has
+left) the coordinator commits START_INCARNATION: the run is open again, empty, and its
+round number goes on (no store key of an old round is ever reused). The coordinator
+counts only the nodes of the current incarnation; a node of an older one never joins a
+newer one (ERROR_SUPERSEDED).
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ __all__ = [
     "close",
     "decide_coordinator",
     "decide_node",
+    "incarnation_to_join",
     "to_restore",
 ]
 
@@ -67,10 +77,25 @@ class NodeAction(enum.Enum):
     ERROR_CLOSED = "error_closed"
     #: join_timeout passed: raise RendezvousTimeoutError.
     ERROR_TIMEOUT = "error_timeout"
+    #: The run was started again (or reset) after this node's incarnation: this node
+    #: belongs to an ended one and never joins another.
+    ERROR_SUPERSEDED = "error_superseded"
+
+
+def incarnation_to_join(state: RdzvState) -> int:
+    """The incarnation a node that has none yet joins: the state's while the run is open,
+    the next one once it is closed (the node then waits for every node of the ended
+    incarnation to leave)."""
+    return state.incarnation + 1 if state.closed else state.incarnation
 
 
 def decide_node(
-    state: RdzvState, node_id: str, wanted_round: int, now: float, join_deadline: float
+    state: RdzvState,
+    node_id: str,
+    wanted_round: int,
+    now: float,
+    join_deadline: float,
+    incarnation: int = 0,
 ) -> NodeAction:
     """Decide the next step of a node that asked for ``wanted_round`` (0: not yet asked).
 
@@ -79,9 +104,14 @@ def decide_node(
         node_id: this node.
         wanted_round: the round in this node's key, 0 if it has not asked in this call.
         now, join_deadline: monotonic seconds.
+        incarnation: the incarnation this node belongs to (0: none yet; it takes
+            :func:`incarnation_to_join` when it asks).
     """
-    if state.closed:
-        return NodeAction.ERROR_CLOSED
+    if incarnation:
+        if state.closed and incarnation == state.incarnation:
+            return NodeAction.ERROR_CLOSED
+        if incarnation != incarnation_to_join(state):
+            return NodeAction.ERROR_SUPERSEDED
     if wanted_round and state.round == wanted_round and state.rank_of(node_id) is not None:
         return NodeAction.FINISH
     spare = wanted_round > state.round and node_id in state.redundancy_list
@@ -107,6 +137,9 @@ class ActionKind(enum.Enum):
     REMOVE_FROM_REDUNDANCY_LIST = "remove_from_redundancy_list"
     MARK_RENDEZVOUS_COMPLETE = "mark_rendezvous_complete"
     MARK_RENDEZVOUS_CLOSED = "mark_rendezvous_closed"
+    #: Every node of the closed incarnation left and nodes ask for the next: open the run
+    #: again, empty, as ``incarnation + 1`` (the round number goes on).
+    START_INCARNATION = "start_incarnation"
 
 
 @dataclass(frozen=True)
@@ -165,7 +198,13 @@ def decide_coordinator(
         last_call_deadline: from the previous decision (None at first).
     """
     if state.closed:
-        return CoordinatorDecision((), None, math.inf)
+        # Started again only when no node of the ended incarnation (or any other) is left.
+        restart = bool(nodes) and all(
+            n.incarnation == state.incarnation + 1 for n in nodes.values()
+        )
+        start = (Action(ActionKind.START_INCARNATION),) if restart else ()
+        return CoordinatorDecision(start, None, math.inf)
+    nodes = {k: n for k, n in nodes.items() if n.incarnation == state.incarnation}
     target = state.round + 1
     joiners = _order_joiners(state, (n for n in nodes.values() if n.wanted_round == target))
     joiner_ids = {n.node_id for n in joiners}
@@ -202,8 +241,10 @@ def _bookkeeping(
     joiners: list[NodeInfo],
 ) -> list[Action]:
     """Keep the lists of a completed round in step with the live nodes."""
-    if state.round == 0:
-        return []  # nothing formed yet: everyone is simply joining the first round
+    if state.round == 0 or not state.participants:
+        # Nothing formed yet, or a run started again (or restored) with no round running:
+        # everyone is simply joining the next round.
+        return []
     actions: list[Action] = []
     newly_lost = tuple(p for p in state.participants if p not in nodes and p not in state.lost)
     if newly_lost:
@@ -280,17 +321,23 @@ def apply(
                 close_mode=action.mode,
                 closed_at_unix_ms=now_unix_ms,
             )
+        elif kind is ActionKind.START_INCARNATION:
+            state = RdzvState(round=state.round, incarnation=state.incarnation + 1)
     return replace(state, written_by=written_by) if written_by else state
 
 
-def close(state: RdzvState, reason: str, mode: CloseMode = "finished") -> tuple[Action, ...]:
+def close(
+    state: RdzvState, reason: str, mode: CloseMode = "finished", incarnation: int = 0
+) -> tuple[Action, ...]:
     """The actions that close the run (none if it is closed already).
 
     Args:
         reason: shown to every node that finds the run closed.
         mode: what the agents still running should do (see ``CloseMode``).
+        incarnation: close only this incarnation (0: whichever is current). A node of
+            an ended incarnation must never close the run started after it.
     """
-    if state.closed:
+    if state.closed or (incarnation and incarnation != state.incarnation):
         return ()
     return (Action(ActionKind.MARK_RENDEZVOUS_CLOSED, reason=reason, mode=mode),)
 

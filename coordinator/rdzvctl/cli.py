@@ -68,7 +68,8 @@ commands:
   watch RUN         one line per change, as it happens, until Ctrl-C (or --count/--timeout)
   list              every run under --key-prefix with its state
   close RUN         end the run: agents finish their current attempt and exit 0;
-                    nobody may join again
+                    no node joins it again (once all have left, the same run id
+                    starts a new incarnation)
   gc --older-than D remove the keys of closed or abandoned runs (no node alive) whose
                     last round completed at least D ago (90s, 10m, 2h, 7d); --dry-run
                     lists what would go. A run with a live node key is never touched.

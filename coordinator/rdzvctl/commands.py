@@ -149,7 +149,8 @@ def _close(client: EtcdClient, opts: Options, out: _Out) -> int:
     elif outcome.changed:
         out.lines(
             [f"run {keys.run_id} closed ({stored}): its agents finish their current "
-             "attempt and exit 0; nobody may join again"]
+             "attempt and exit 0; no node joins it again (once all have left, the same "
+             "run id starts a new incarnation)"]
         )  # fmt: skip
     else:
         out.lines([f"run {keys.run_id} was closed already ({stored or 'no reason given'})"])

@@ -3,6 +3,7 @@ gc's verdicts."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 
@@ -17,6 +18,7 @@ from coordinator.rdzvctl.format import (
     gc_lines,
     list_json,
     list_lines,
+    node_status,
     status_json,
     status_lines,
     table,
@@ -65,6 +67,7 @@ def test_status_lines() -> None:
         "run:             demo (key prefix /etcd-elastic, etcd revision 40)",
         "state:           complete, round 1 completed 2026-11-20 14:02:11 (2m05s ago), "
         "state last written by a-1-0",
+        "incarnation:     1",
         "closed:          no",
         "master:          10.0.0.1:29500",
         "participants:    3 in round 1",
@@ -88,7 +91,8 @@ def test_status_lines_closed_and_forming() -> None:
     closed = RdzvState(round=2, closed=True, closed_reason="maintenance", participants=("a",))
     lines = status_lines(snap(closed), NOW, UTC)
     assert lines[1] == "state:           closed, round 2 completed unknown"
-    assert lines[2] == "closed:          yes: maintenance"
+    assert lines[2] == "incarnation:     1"
+    assert lines[3] == "closed:          yes: maintenance"
     forming = status_lines(snap(None, (node("a-1-0", 1, rev=1, ttl=None),)), NOW, UTC)
     assert forming[1] == "state:           forming, no round completed yet, round 1 has 1 joiner(s)"
     assert "  a-1-0  1               joining  1001         ?           default" in forming
@@ -159,6 +163,24 @@ def test_status_names_a_node_key_that_does_not_decode() -> None:
     assert status_json(snapshot)["round"] == 1
 
 
+def test_status_shows_the_incarnation_and_the_nodes_starting_the_run_again() -> None:
+    ended = RdzvState(round=2, closed=True, closed_reason="done", incarnation=3)
+    retry, stale = node("r-7-0", 3, rev=12), node("s-8-0", 3, rev=13)
+    nodes = (
+        dataclasses.replace(retry, info=dataclasses.replace(retry.info, incarnation=4)),
+        dataclasses.replace(stale, info=dataclasses.replace(stale.info, incarnation=2)),
+    )
+    snapshot = snap(ended, nodes)
+    lines = status_lines(snapshot, NOW, UTC)
+    assert "incarnation:     3" in lines
+    assert node_status(snapshot, "r-7-0") == "starting it again"
+    assert node_status(snapshot, "s-8-0") == "of incarnation 2"
+    assert status_json(snapshot)["incarnation"] == 3
+    started = RdzvState(round=2, incarnation=4)
+    assert phase(snap(started, nodes[:1])) == "forming"
+    assert list_json([snap(started)], "/etcd-elastic", [])["runs"][0]["incarnation"] == 4
+
+
 # -- list and gc ---------------------------------------------------------------------
 
 
@@ -174,9 +196,9 @@ def test_list_lines_and_json() -> None:
     )
     lines = list_lines([snap(ROUND1, LIVE), other], "/etcd-elastic")
     assert lines == [
-        "RUN   PHASE     ROUND  PARTICIPANTS  ALIVE  WAITING  LOST  CLOSED",
-        "demo  complete  1      3             3      0        0     no",
-        "old   closed    3      0             0      0        0     yes: done",
+        "RUN   PHASE     INCARNATION  ROUND  PARTICIPANTS  ALIVE  WAITING  LOST  CLOSED",
+        "demo  complete  1            1      3             3      0        0     no",
+        "old   closed    1            3      0             0      0        0     yes: done",
     ]
     assert list_lines([], "/x") == ["no runs under /x/"]
     data = list_json([other], "/etcd-elastic", ["/etcd-elastic/junk"])
