@@ -31,7 +31,11 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import TextIO
 
-from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler
+from torch.distributed.elastic.rendezvous import (
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousHandler,
+)
 
 from agent.config import LaunchConfig
 from agent.ending import (
@@ -207,6 +211,11 @@ class Agent:
             return self._monitor()
         except WorkerStartError as exc:
             return self._give_up(str(exc))
+        except RendezvousGracefulExitError as exc:
+            # The job ended while this node waited outside its round (a spare, on the wait
+            # list): it did its part, as torch's agent says with exit code 0.
+            log.info("%s: %s; exiting 0", self._ctx(), " ".join(str(exc).split()))
+            return 0
         except RendezvousError as exc:
             # Closed, join timeout, etcd unreachable, unreadable state: nothing this node
             # can fix by restarting, and none of them is a reason to close the run for

@@ -2,6 +2,8 @@
 
     EtcdElasticError
     ├── RunClosedError                 the run (this node's incarnation) was closed
+    │   └── RunEndedWhileWaitingError  it finished (or was drained) while this node
+    │                                  waited outside the round (a spare, wait-listed)
     ├── JoinTimeoutError               join_timeout passed before a round completed
     ├── EtcdConnectionError            no etcd member answered (names the endpoints)
     │   ├── EtcdAuthError              wrong user/password or not permitted
@@ -45,6 +47,12 @@ class EtcdElasticError(Exception):
 
 class RunClosedError(EtcdElasticError):
     """The run is closed: it finished (or an operator closed it) and admits nobody."""
+
+
+class RunEndedWhileWaitingError(RunClosedError):
+    """The run finished (or an operator drained it) while this node waited outside its
+    round, as a spare or on the wait list: nothing is left for it to do, and nothing
+    failed (torch's agent exits 0 on its twin, ``RendezvousGracefulExitError``)."""
 
 
 class JoinTimeoutError(EtcdElasticError):

@@ -51,6 +51,7 @@ __all__ = [
     "decide_coordinator",
     "decide_node",
     "incarnation_to_join",
+    "is_spare",
     "to_restore",
 ]
 
@@ -75,6 +76,9 @@ class NodeAction(enum.Enum):
     FINISH = "finish"
     #: The run is closed: raise RendezvousClosedError.
     ERROR_CLOSED = "error_closed"
+    #: The run finished (or was drained) while this node waited outside its round (a
+    #: spare, wait-listed): nothing failed, the node is done (torch's graceful exit).
+    EXIT_GRACEFULLY = "exit_gracefully"
     #: join_timeout passed: raise RendezvousTimeoutError.
     ERROR_TIMEOUT = "error_timeout"
     #: The run was started again (or reset) after this node's incarnation: this node
@@ -87,6 +91,12 @@ def incarnation_to_join(state: RdzvState) -> int:
     the next one once it is closed (the node then waits for every node of the ended
     incarnation to leave)."""
     return state.incarnation + 1 if state.closed else state.incarnation
+
+
+def is_spare(state: RdzvState, node_id: str) -> bool:
+    """Whether ``node_id`` is a listed spare of ``state`` (the redundancy list): it waits
+    for a place without a deadline, on events only."""
+    return node_id in state.redundancy_list and state.rank_of(node_id) is None
 
 
 def decide_node(
@@ -109,15 +119,18 @@ def decide_node(
     """
     if incarnation:
         if state.closed and incarnation == state.incarnation:
+            waited_outside = state.rank_of(node_id) is None
+            if waited_outside and state.close_mode in ("finished", "drain"):
+                return NodeAction.EXIT_GRACEFULLY
             return NodeAction.ERROR_CLOSED
         if incarnation != incarnation_to_join(state):
             return NodeAction.ERROR_SUPERSEDED
     if wanted_round and state.round == wanted_round and state.rank_of(node_id) is not None:
         return NodeAction.FINISH
-    spare = wanted_round > state.round and node_id in state.redundancy_list
-    if now >= join_deadline and not spare:
+    if now >= join_deadline and not is_spare(state, node_id):
         # A spare (listed as redundant because the round is full) waits without a
-        # deadline, as torch's: it is what takes a lost node's place.
+        # deadline, as torch's: it is what takes a lost node's place. A round that
+        # completes without it keeps it listed, and it asks for the next one.
         return NodeAction.ERROR_TIMEOUT
     if wanted_round <= state.round:
         # Never asked, or the round it asked for completed without it: ask for the next.
@@ -217,7 +230,11 @@ def decide_coordinator(
         deadline = last_call_deadline
         if deadline is None:
             deadline = now + limits.last_call_timeout
-        if len(joiners) >= limits.max_nodes or everyone_back or now >= deadline:
+        # max_nodes joiners complete at once, except while a live participant of the last
+        # round has not re-joined yet: spares must not take the places of live nodes that
+        # are only slower to come back (they are waited for until last call ends).
+        full = len(joiners) >= limits.max_nodes and (state.round == 0 or not live_prev)
+        if full or everyone_back or now >= deadline:
             chosen = joiners[: limits.max_nodes]
             rank0 = chosen[0]
             complete = Action(

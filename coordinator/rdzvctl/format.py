@@ -90,7 +90,7 @@ def node_status(snapshot: RunSnapshot, node_id: str) -> str:
     if node_id in state.wait_list:
         return "waiting"
     if node_id in state.redundancy_list:
-        return "redundant"
+        return "spare"  # listed as redundant: it takes a lost node's place
     return "joining" if asks_next else "idle"
 
 
@@ -149,7 +149,7 @@ def _state_block(snapshot: RunSnapshot, now_ms: int, tz: datetime.tzinfo | None)
         lines.extend(table(headers, rows))
     lines += [
         f"wait list:       {_list(state.wait_list)}",
-        f"redundancy list: {_list(state.redundancy_list)}",
+        f"spares:          {_list(state.redundancy_list)}",
         f"lost:            {_list(state.lost)}",
     ]
     return lines

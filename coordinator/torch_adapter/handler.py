@@ -46,6 +46,7 @@ from coordinator.core.errors import (
     JoinTimeoutError,
     NodeLeftError,
     RunClosedError,
+    RunEndedWhileWaitingError,
 )
 from coordinator.core.etcd_client import EtcdClient
 from coordinator.core.executor import StateExecutor
@@ -56,7 +57,13 @@ from coordinator.core.ports import free_port
 from coordinator.core.settings import RendezvousSettings
 from coordinator.core.state import CloseMode, NodeInfo, RdzvState
 from coordinator.core.threads import ThreadDied
-from coordinator.core.transitions import Limits, NodeAction, decide_node, incarnation_to_join
+from coordinator.core.transitions import (
+    Limits,
+    NodeAction,
+    decide_node,
+    incarnation_to_join,
+    is_spare,
+)
 from coordinator.torch_adapter.errors import torch_errors
 from coordinator.torch_adapter.store import EtcdStore
 
@@ -256,6 +263,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 )  # fmt: skip
                 self.last_round, self.last_members = state.round, state.participants
                 return self._info(state, rank)
+            if action is NodeAction.EXIT_GRACEFULLY:
+                how = "was drained" if state.close_mode == "drain" else "finished"
+                where = "as a spare" if is_spare(state, self.node_id) else "outside its round"
+                raise RunEndedWhileWaitingError(
+                    f"run {run_id!r} {how} ({state.closed_reason or 'closed'}) while node "
+                    f"{self.node_id} waited {where}: nothing left to do"
+                )
             if action is NodeAction.ERROR_CLOSED:
                 reason = f" ({state.closed_reason})" if state.closed_reason else ""
                 raise RunClosedError(
@@ -298,7 +312,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
                         )  # fmt: skip
                 self._write_node(parts, wanted)
                 continue
-            view.wait_newer(seen, max(deadline - self._clock(), 0.0), self._session_lost)
+            # A listed spare waits for events only, without a deadline (past join_timeout
+            # a timeout of 0 would make this loop spin).
+            timeout = None if is_spare(state, self.node_id) else deadline - self._clock()
+            view.wait_newer(
+                seen, None if timeout is None else max(timeout, 0.0), self._session_lost
+            )
 
     def _info(self, state: RdzvState, rank: int) -> RendezvousInfo:
         store = EtcdStore(

@@ -163,8 +163,10 @@ class World:
             assert rank not in per_round.values(), "two nodes got the same rank"
             per_round[agent.node_id] = rank
             agent.in_call, agent.finished_round = False, state.round
-        elif action is NodeAction.ERROR_CLOSED:
+        elif action in (NodeAction.ERROR_CLOSED, NodeAction.EXIT_GRACEFULLY):
             assert state.closed and agent.run_incarnation == state.incarnation
+            graceful = state.rank_of(agent.node_id) is None and state.close_mode != "failed"
+            assert graceful == (action is NodeAction.EXIT_GRACEFULLY), (agent, state)
             agent.in_call = False
         elif action is NodeAction.ERROR_SUPERSEDED:
             assert agent.run_incarnation != incarnation_to_join(state)

@@ -76,7 +76,7 @@ def test_status_lines() -> None:
         "  1     b-2-0  10.0.0.2  host2     100  2        4s          1",
         "  2     c-3-0  -         -         -    -        gone        -",
         "wait list:       d-4-0",
-        "redundancy list: -",
+        "spares:          -",
         "lost:            c-3-0",
         "nodes alive:     3",
         "  NODE   ASKS FOR ROUND  IS       LEASE (hex)  LEASE LEFT  ROLE",
@@ -112,7 +112,7 @@ def test_status_json_is_complete_and_serialisable() -> None:
     assert data["redundancy_list"] == ["b-2-0"]
     assert [(n["node_id"], n["status"]) for n in data["nodes"]] == [
         ("a-1-0", "rank 0"),
-        ("b-2-0", "redundant"),
+        ("b-2-0", "spare"),
     ]
     assert data["nodes"][0]["lease_id_hex"] == "1001"
 

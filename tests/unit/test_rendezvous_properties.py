@@ -143,7 +143,11 @@ def test_rendezvous_is_safe_and_live(
             action = world.node_step(slot)
             # A node of the closed incarnation fails; one that has not asked yet asks to
             # start the run again, and waits while nodes of the old one are alive.
-            allowed = (NodeAction.JOIN, NodeAction.SYNC) if fresh else (NodeAction.ERROR_CLOSED,)
+            allowed = (
+                (NodeAction.JOIN, NodeAction.SYNC)
+                if fresh
+                else (NodeAction.ERROR_CLOSED, NodeAction.EXIT_GRACEFULLY)
+            )
             assert action is None or action in allowed, action
         old_incarnation = world.state.incarnation
         fresh_only = bool(world.keys) and all(

@@ -439,3 +439,58 @@ def test_a_node_closes_only_its_own_incarnation() -> None:
     assert close(running, "mine", "failed", incarnation=2) == (
         Action(K.MARK_RENDEZVOUS_CLOSED, reason="mine", mode="failed"),
     )
+
+
+# --- spares and waiting nodes at the end of a job ------------------------------------------
+
+_FULL = RdzvState(round=2, participants=("a", "b"), redundancy_list=("c",))
+
+
+@pytest.mark.parametrize(
+    ("state", "wanted", "now", "expected"),
+    [
+        (_FULL, 3, 500.0, NodeAction.SYNC),  # listed: no deadline
+        # A round completed without it (still listed): it asks for the next, no timeout.
+        (dataclasses.replace(_FULL, round=3), 3, 500.0, NodeAction.JOIN),
+        (dataclasses.replace(_FULL, redundancy_list=()), 3, 500.0, NodeAction.ERROR_TIMEOUT),
+    ],
+)
+def test_a_listed_spare_has_no_deadline(
+    state: RdzvState, wanted: int, now: float, expected: NodeAction
+) -> None:
+    assert decide_node(state, "c", wanted, now, 100.0, 1) is expected
+
+
+@pytest.mark.parametrize(
+    ("mode", "node", "expected"),
+    [
+        ("finished", "c", NodeAction.EXIT_GRACEFULLY),  # a spare at the job's end
+        ("drain", "c", NodeAction.EXIT_GRACEFULLY),
+        ("finished", "d", NodeAction.EXIT_GRACEFULLY),  # wait-listed, or joining
+        ("failed", "c", NodeAction.ERROR_CLOSED),  # the job failed: so does it
+        ("finished", "a", NodeAction.ERROR_CLOSED),  # a participant re-rendezvousing
+    ],
+)
+def test_a_node_outside_the_round_ends_gracefully_when_the_job_ends(
+    mode: str, node: str, expected: NodeAction
+) -> None:
+    ended = dataclasses.replace(_FULL, closed=True, close_mode=mode, wait_list=("d",))
+    assert decide_node(ended, node, 3, 0.0, 100.0, 1) is expected
+
+
+def test_a_spare_does_not_take_the_place_of_a_live_participant_that_is_slower_to_rejoin() -> None:
+    lim = Limits(min_nodes=2, max_nodes=2, last_call_timeout=10.0)
+    running = RdzvState(round=1, participants=("a", "b"), redundancy_list=("c",))
+    # a restarts first; c (the spare) asks for round 2 too: b is alive, so it is waited for.
+    first = decide_coordinator(running, _nodes(2, "ac", b=1), lim, 0.0, None)
+    assert first == _wait(10.0, _act(K.ADD_TO_WAIT_LIST, "a"))
+    # b comes back: the round completes with the participants, c stays a spare.
+    assert decide_coordinator(running, _nodes(2, "abc"), lim, 1.0, 10.0) == _done(
+        _complete("ab", "c")
+    )
+    # b never comes back (alive, but stuck): last call ends and c takes its place.
+    assert decide_coordinator(running, _nodes(2, "ac", b=1), lim, 10.0, 10.0) == _done(
+        _complete("ac")
+    )
+    # b's key is gone (lost): c takes its place at once.
+    assert decide_coordinator(running, _nodes(2, "ac"), lim, 0.0, None) == _done(_complete("ac"))
