@@ -33,6 +33,7 @@ from agent.cli_values import (
     parse_ranks_filter,
     parse_rdzv_conf,
     parse_seconds,
+    parse_signal,
     parse_std_map,
     parse_whole,
 )
@@ -249,6 +250,9 @@ def _config(
             config.stop_grace_period
             if shutdown is None
             else parse_seconds("--shutdown-timeout", shutdown, zero_ok=True)
+        ),
+        drain_signal=(
+            None if ns.drain_signal is None else parse_signal("--drain-signal", ns.drain_signal)
         ),
         role=ns.role.strip(),
         log_dir=ns.log_dir or None,

@@ -232,6 +232,16 @@ def build_parser(*, environ: Mapping[str, str] | None = None) -> argparse.Argume
     )
     option(
         run,
+        "--drain-signal",
+        "--drain_signal",
+        default=None,
+        metavar="SIGNAL",
+        help="early warning a leaving agent's workers get first (rdzvctl drain, or a stop "
+        "signal to the agent), e.g. SIGUSR1 for a script that checkpoints on it; SIGKILL "
+        "follows --shutdown-timeout later (default: the stop signal itself)",
+    )
+    option(
+        run,
         "--start-method",
         "--start_method",
         default="spawn",

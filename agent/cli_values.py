@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+import signal
 
 from agent.config import Std
 
@@ -17,6 +18,7 @@ __all__ = [
     "parse_ranks_filter",
     "parse_rdzv_conf",
     "parse_seconds",
+    "parse_signal",
     "parse_std_map",
     "parse_whole",
 ]
@@ -128,3 +130,16 @@ def parse_ranks_filter(text: str) -> frozenset[int] | None:
             f"{text!r} is not a list of local ranks; give comma-separated numbers, e.g. 0,1",
         )
     return ranks
+
+
+def parse_signal(flag: str, text: str) -> signal.Signals:
+    """A signal by name (``SIGUSR1``, ``USR1``, any case) or number."""
+    name = text.strip().upper()
+    try:
+        if name.isdigit():
+            return signal.Signals(int(name))
+        return signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+    except (KeyError, ValueError):
+        raise UsageError(
+            flag, f"{text!r} is not a signal; give a name such as SIGUSR1 or USR1, or a number"
+        ) from None

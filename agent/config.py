@@ -6,6 +6,7 @@ consumed by the agent loop. Frozen: nothing changes it after parsing.
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -48,6 +49,9 @@ class LaunchConfig:
         local_addr: this node's address as others should reach it.
         exit_barrier_timeout: seconds to wait for other agents after local success.
         stop_grace_period: seconds between SIGTERM and SIGKILL when stopping workers.
+        drain_signal: the early warning a leaving agent's workers get first (drained by an
+            operator, or the agent was sent a stop signal), instead of the stop signal;
+            SIGKILL follows ``stop_grace_period`` later. None: the stop signal.
     """
 
     min_nodes: int
@@ -77,3 +81,4 @@ class LaunchConfig:
     local_addr: str | None = None
     exit_barrier_timeout: float = 300.0
     stop_grace_period: float = 5.0
+    drain_signal: signal.Signals | None = None

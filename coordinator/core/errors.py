@@ -3,7 +3,8 @@
     EtcdElasticError
     ├── RunClosedError                 the run (this node's incarnation) was closed
     │   └── RunEndedWhileWaitingError  it finished (or was drained) while this node
-    │                                  waited outside the round (a spare, wait-listed)
+    │                                  waited outside the round (a spare, wait-listed),
+    │                                  or this node was drained (rdzvctl drain)
     ├── JoinTimeoutError               join_timeout passed before a round completed
     ├── EtcdConnectionError            no etcd member answered (names the endpoints)
     │   ├── EtcdAuthError              wrong user/password or not permitted
@@ -51,8 +52,9 @@ class RunClosedError(EtcdElasticError):
 
 class RunEndedWhileWaitingError(RunClosedError):
     """The run finished (or an operator drained it) while this node waited outside its
-    round, as a spare or on the wait list: nothing is left for it to do, and nothing
-    failed (torch's agent exits 0 on its twin, ``RendezvousGracefulExitError``)."""
+    round, as a spare or on the wait list, or an operator drained this node: nothing is
+    left for it to do, and nothing failed (torch's agent exits 0 on its twin,
+    ``RendezvousGracefulExitError``)."""
 
 
 class JoinTimeoutError(EtcdElasticError):

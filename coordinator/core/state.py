@@ -85,6 +85,7 @@ class RdzvState:
         master_addr, master_port: bootstrap address of ``round`` (rank 0's).
         incarnation: which start of the run this is (1, 2, ...): a closed run whose every
             node has left is started again as ``incarnation + 1``.
+        draining: nodes an operator asked to leave (``rdzvctl drain``).
     """
 
     round: int = 0
@@ -101,6 +102,7 @@ class RdzvState:
     close_mode: CloseMode = "unspecified"
     closed_at_unix_ms: int = 0
     incarnation: int = 1
+    draining: tuple[str, ...] = ()
 
     def rank_of(self, node_id: str) -> int | None:
         """The group rank of ``node_id`` in ``round``, or None if not a participant."""
@@ -114,9 +116,12 @@ class RdzvState:
         """What ``num_nodes_waiting()`` reports: nodes waiting plus participants lost.
 
         A lost participant counts so that any agent, torch's included, re-rendezvouses at
-        once instead of waiting for a collective to time out.
+        once instead of waiting for a collective to time out; so does a participant being
+        drained (it leaves: the others re-form without it, not a counted restart).
         """
-        return len(self.wait_list) + len(self.lost)
+        lost = set(self.lost)
+        leaving = [n for n in self.draining if n in self.participants and n not in lost]
+        return len(self.wait_list) + len(self.lost) + len(leaving)
 
 
 @dataclass(frozen=True)
@@ -196,6 +201,7 @@ def encode_state(state: RdzvState) -> bytes:
         close_mode=_CLOSE_MODES[state.close_mode],  # type: ignore[arg-type]
         closed_at_unix_ms=state.closed_at_unix_ms,
         incarnation=state.incarnation,
+        draining=list(state.draining),
     )
     return _to_json(msg)
 
@@ -242,6 +248,7 @@ def _decode_state_cached(key: str, raw: bytes) -> RdzvState:
         close_mode=_CLOSE_MODE_NAMES.get(msg.close_mode, "unspecified"),
         closed_at_unix_ms=msg.closed_at_unix_ms,
         incarnation=_incarnation(key, msg.incarnation),
+        draining=tuple(msg.draining),
     )
 
 

@@ -50,6 +50,7 @@ __all__ = [
     "close",
     "decide_coordinator",
     "decide_node",
+    "drain",
     "incarnation_to_join",
     "is_spare",
     "to_restore",
@@ -117,6 +118,8 @@ def decide_node(
         incarnation: the incarnation this node belongs to (0: none yet; it takes
             :func:`incarnation_to_join` when it asks).
     """
+    if node_id in state.draining and incarnation in (0, state.incarnation):
+        return NodeAction.EXIT_GRACEFULLY  # drained: it leaves and is never admitted
     if incarnation:
         if state.closed and incarnation == state.incarnation:
             waited_outside = state.rank_of(node_id) is None
@@ -153,6 +156,10 @@ class ActionKind(enum.Enum):
     #: Every node of the closed incarnation left and nodes ask for the next: open the run
     #: again, empty, as ``incarnation + 1`` (the round number goes on).
     START_INCARNATION = "start_incarnation"
+    #: An operator asks a node to leave gracefully (``rdzvctl drain``).
+    ADD_TO_DRAINING = "add_to_draining"
+    #: A draining node's key is gone: it left.
+    REMOVE_FROM_DRAINING = "remove_from_draining"
 
 
 @dataclass(frozen=True)
@@ -217,7 +224,13 @@ def decide_coordinator(
         )
         start = (Action(ActionKind.START_INCARNATION),) if restart else ()
         return CoordinatorDecision(start, None, math.inf)
-    nodes = {k: n for k, n in nodes.items() if n.incarnation == state.incarnation}
+    # A draining node is leaving: it is neither a joiner nor alive for the rounds to come.
+    all_nodes = nodes
+    nodes = {
+        k: n
+        for k, n in nodes.items()
+        if n.incarnation == state.incarnation and k not in state.draining
+    }
     target = state.round + 1
     joiners = _order_joiners(state, (n for n in nodes.values() if n.wanted_round == target))
     joiner_ids = {n.node_id for n in joiners}
@@ -246,7 +259,7 @@ def decide_coordinator(
             )
             return CoordinatorDecision((complete,), None, math.inf)
 
-    actions = _bookkeeping(state, nodes, limits, joiners)
+    actions = _bookkeeping(state, nodes, limits, joiners, all_nodes)
     wake_at = deadline if deadline is not None else math.inf
     return CoordinatorDecision(tuple(actions), deadline, wake_at)
 
@@ -256,12 +269,15 @@ def _bookkeeping(
     nodes: Mapping[str, NodeInfo],
     limits: Limits,
     joiners: list[NodeInfo],
+    all_nodes: Mapping[str, NodeInfo],
 ) -> list[Action]:
-    """Keep the lists of a completed round in step with the live nodes."""
+    """Keep the lists of a completed round in step with the live nodes (``nodes``: of
+    this incarnation and not draining; ``all_nodes``: every live key)."""
+    left_draining = tuple(n for n in state.draining if n not in all_nodes)
     if state.round == 0 or not state.participants:
         # Nothing formed yet, or a run started again (or restored) with no round running:
         # everyone is simply joining the next round.
-        return []
+        return [Action(ActionKind.REMOVE_FROM_DRAINING, left_draining)] if left_draining else []
     actions: list[Action] = []
     newly_lost = tuple(p for p in state.participants if p not in nodes and p not in state.lost)
     if newly_lost:
@@ -272,6 +288,8 @@ def _bookkeeping(
     gone_redundant = tuple(n for n in state.redundancy_list if n not in nodes)
     if gone_redundant:
         actions.append(Action(ActionKind.REMOVE_FROM_REDUNDANCY_LIST, gone_redundant))
+    if left_draining:
+        actions.append(Action(ActionKind.REMOVE_FROM_DRAINING, left_draining))
 
     listed = set(state.wait_list) | set(state.redundancy_list)
     unlisted = [n.node_id for n in joiners if n.node_id not in listed]
@@ -338,6 +356,10 @@ def apply(
                 close_mode=action.mode,
                 closed_at_unix_ms=now_unix_ms,
             )
+        elif kind is ActionKind.ADD_TO_DRAINING:
+            state = replace(state, draining=_with(state.draining, ids))
+        elif kind is ActionKind.REMOVE_FROM_DRAINING:
+            state = replace(state, draining=_without(state.draining, ids))
         elif kind is ActionKind.START_INCARNATION:
             state = RdzvState(round=state.round, incarnation=state.incarnation + 1)
     return replace(state, written_by=written_by) if written_by else state
@@ -357,6 +379,13 @@ def close(
     if state.closed or (incarnation and incarnation != state.incarnation):
         return ()
     return (Action(ActionKind.MARK_RENDEZVOUS_CLOSED, reason=reason, mode=mode),)
+
+
+def drain(state: RdzvState, node_id: str) -> tuple[Action, ...]:
+    """The actions that ask ``node_id`` to leave gracefully (none if already asked)."""
+    if node_id in state.draining:
+        return ()
+    return (Action(ActionKind.ADD_TO_DRAINING, (node_id,)),)
 
 
 def to_restore(last_good: RdzvState, store_floor: int) -> RdzvState | None:

@@ -80,6 +80,8 @@ def node_status(snapshot: RunSnapshot, node_id: str) -> str:
     state = snapshot.effective_state
     rank = state.rank_of(node_id)
     node = snapshot.node(node_id)
+    if node_id in state.draining:
+        return "draining"  # rdzvctl drain: it is leaving
     if node is not None and node.info.incarnation != state.incarnation:
         if state.closed and node.info.incarnation == state.incarnation + 1:
             return "starting it again"  # waits for the closed incarnation's nodes to leave
@@ -151,6 +153,7 @@ def _state_block(snapshot: RunSnapshot, now_ms: int, tz: datetime.tzinfo | None)
         f"wait list:       {_list(state.wait_list)}",
         f"spares:          {_list(state.redundancy_list)}",
         f"lost:            {_list(state.lost)}",
+        f"draining:        {_list(state.draining)}",
     ]
     return lines
 
@@ -235,6 +238,7 @@ def status_json(snapshot: RunSnapshot) -> dict[str, Any]:
         "wait_list": list(state.wait_list),
         "redundancy_list": list(state.redundancy_list),
         "lost": list(state.lost),
+        "draining": list(state.draining),
         "joining": list(joining(snapshot)),
     }
     current = phase(snapshot)

@@ -263,6 +263,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 )  # fmt: skip
                 self.last_round, self.last_members = state.round, state.participants
                 return self._info(state, rank)
+            if action is NodeAction.EXIT_GRACEFULLY and self.node_id in state.draining:
+                raise RunEndedWhileWaitingError(
+                    f"run {run_id!r}: node {self.node_id} was drained (rdzvctl drain): it "
+                    "leaves the run"
+                )
             if action is NodeAction.EXIT_GRACEFULLY:
                 how = "was drained" if state.close_mode == "drain" else "finished"
                 where = "as a spare" if is_spare(state, self.node_id) else "outside its round"
@@ -368,6 +373,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if outcome.changed:
             view.offer_written(outcome.state, outcome.mod_revision)
             log.info("node %s closed run %s (%s)", self.node_id, self._keys.run_id, mode)
+
+    @property
+    def drain_requested(self) -> bool:
+        """Whether an operator asked this node to leave (``rdzvctl drain``), from the
+        watched view: the agent then stops its workers gracefully and exits 0."""
+        parts = self._current()
+        return parts is not None and self.node_id in parts.view.peek().draining
 
     @property
     def close_mode(self) -> CloseMode:

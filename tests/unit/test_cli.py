@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -364,3 +365,18 @@ def test_a_run_id_comes_from_slurm_or_is_random_for_one_node() -> None:
     two = _parse(["--nnodes=1", "--rdzv-endpoint=h", "train.py"], environ={})
     assert one.rdzv_id != two.rdzv_id and len(one.rdzv_id) == 36
     assert cli.scheduler_run_id({"SLURM_JOB_ID": "x/y"}) is None  # not a valid run id
+
+
+def test_drain_signal_takes_a_name_or_a_number(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--nnodes=2", "--rdzv-endpoint=h", "--rdzv-id=j"]
+    assert _parse([*base, "train.py"]).drain_signal is None
+    assert _parse([*base, "--drain-signal=SIGUSR1", "train.py"]).drain_signal is signal.SIGUSR1
+    assert _parse([*base, "--drain-signal", "usr2", "train.py"]).drain_signal is signal.SIGUSR2
+    assert _parse([*base, "--drain_signal=10", "train.py"]).drain_signal is signal.SIGUSR1
+    with pytest.raises(SystemExit) as info:
+        _parse([*base, "--drain-signal=SIGNOPE", "train.py"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (
+        "etcdrun: error: --drain-signal: 'SIGNOPE' is not a signal; give a name such as "
+        "SIGUSR1 or USR1, or a number\n"
+    )

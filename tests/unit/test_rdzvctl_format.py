@@ -78,6 +78,7 @@ def test_status_lines() -> None:
         "wait list:       d-4-0",
         "spares:          -",
         "lost:            c-3-0",
+        "draining:        -",
         "nodes alive:     3",
         "  NODE   ASKS FOR ROUND  IS       LEASE (hex)  LEASE LEFT  ROLE",
         "  a-1-0  1               rank 0   1001         4s          default",
@@ -144,7 +145,7 @@ def test_status_of_an_unreadable_state_shows_only_what_etcd_holds() -> None:
     assert data["phase"] == "unreadable"
     unknown = ("round", "closed", "closed_reason", "completed_at_unix_ms", "written_by",
                "master_addr", "master_port", "participants", "wait_list", "redundancy_list",
-               "lost", "joining")  # fmt: skip
+               "lost", "draining", "joining")  # fmt: skip
     assert {k: data[k] for k in unknown} == dict.fromkeys(unknown)
     assert [(n["node_id"], n["status"]) for n in data["nodes"]] == [("a-1-0", "unknown")]
     assert data["unreadable_keys"] == ["/etcd-elastic/demo/state"]

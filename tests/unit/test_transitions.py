@@ -24,6 +24,7 @@ from coordinator.core.transitions import (
     close,
     decide_coordinator,
     decide_node,
+    drain,
     incarnation_to_join,
 )
 
@@ -494,3 +495,32 @@ def test_a_spare_does_not_take_the_place_of_a_live_participant_that_is_slower_to
     )
     # b's key is gone (lost): c takes its place at once.
     assert decide_coordinator(running, _nodes(2, "ac"), lim, 0.0, None) == _done(_complete("ac"))
+
+
+# --- drain: an operator asks one node to leave -----------------------------------------------
+
+
+def test_a_drained_node_leaves_and_the_others_reform_without_it() -> None:
+    running = RdzvState(round=1, participants=("a", "b", "c"))
+    assert drain(running, "b") == (Action(K.ADD_TO_DRAINING, ("b",)),)
+    asked = apply(running, drain(running, "b"))
+    assert asked.draining == ("b",) and drain(asked, "b") == ()
+    # Its agent learns it from the state (so do the others: it counts as waiting).
+    assert decide_node(asked, "b", 0, 0.0, 100.0, 1) is NodeAction.EXIT_GRACEFULLY
+    assert asked.num_waiting == 1
+    # The coordinator counts it out at once: lost for this round, never a joiner again.
+    assert decide_coordinator(asked, _nodes(1, "abc"), LIM, 0.0, None) == _done(
+        _act(K.REMOVE_FROM_PARTICIPANTS, "b")
+    )
+    lost = apply(asked, [_act(K.REMOVE_FROM_PARTICIPANTS, "b")])
+    assert lost.num_waiting == 1  # not counted twice
+    assert decide_coordinator(lost, _nodes(2, "acb"), LIM, 0.0, None) == _done(_complete("ac"))
+    # Once its key is gone it leaves the list.
+    done = apply(lost, [_complete("ac")])
+    assert decide_coordinator(done, _nodes(2, "ac"), LIM, 0.0, None) == _done(
+        _act(K.REMOVE_FROM_DRAINING, "b")
+    )
+    forming = RdzvState(draining=("x",))
+    assert decide_coordinator(forming, _nodes(1, "a"), LIM, 0.0, None) == _done(
+        _act(K.REMOVE_FROM_DRAINING, "x")
+    )
