@@ -22,8 +22,7 @@ import signal
 import sys
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from typing import Any
 
 from agent import devices
 from agent.cli_parser import IGNORED_FLAGS, build_parser
@@ -75,6 +74,19 @@ def _settings_error(exc: ConfigError) -> UsageError:
     return UsageError("--rdzv-conf", text)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Parameters:
+    """What the settings read of torch's ``RendezvousParameters``, without importing torch
+    (seconds): a bad command line ends before torch is loaded."""
+
+    run_id: str
+    endpoint: str
+    min_nodes: int
+    max_nodes: int
+    local_addr: str | None
+    config: dict[str, Any]
+
+
 def _check_rendezvous(config: LaunchConfig) -> None:
     """Validate endpoint, run id and rdzv_conf exactly as the coordinator will."""
     endpoint = _STANDALONE_PLACEHOLDER if config.standalone else config.rdzv_endpoint
@@ -82,14 +94,13 @@ def _check_rendezvous(config: LaunchConfig) -> None:
         parse_endpoints(endpoint)
         validate_run_id(config.rdzv_id)
         RendezvousSettings.from_parameters(
-            RendezvousParameters(
-                backend=config.rdzv_backend,
-                endpoint=endpoint,
+            _Parameters(
                 run_id=config.rdzv_id,
+                endpoint=endpoint,
                 min_nodes=config.min_nodes,
                 max_nodes=config.max_nodes,
                 local_addr=config.local_addr,
-                **config.rdzv_conf,
+                config=dict(config.rdzv_conf),
             )
         )
     except ConfigError as exc:

@@ -1,7 +1,7 @@
 """Spares on real etcd: a listed spare has no deadline, waits on events only (its CPU is
-measured in ``tests/e2e/test_spares.py``), survives rounds that complete without it, and
-ends gracefully (torch's ``RendezvousGracefulExitError``) when the job finishes or is
-drained."""
+measured in ``tests/e2e/test_spares_and_drain.py``), survives rounds that complete
+without it, and ends gracefully (torch's ``RendezvousGracefulExitError``) when the job
+finishes or is drained."""
 
 from __future__ import annotations
 
