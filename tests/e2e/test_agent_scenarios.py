@@ -367,7 +367,8 @@ def test_restarts_exhausted_every_agent_fails_naming_the_rank(
         closer = re.fullmatch(
             rf"etcdrun: error: run '{agents.run_id}' is closed \(node \d \(.+\) gave up "
             r"after 1 restart: rank (\d) failed: (.+)\): it admits no more "
-            "nodes; start a new run with another --rdzv-id",
+            r"nodes; start the job again \(same --rdzv-id\) once every node of this run "
+            "has left",
             lines[0],
         )
         assert closer is not None, lines[0]
