@@ -63,8 +63,9 @@ EXIT_UNREACHABLE = 3
 
 _DESCRIPTION = """\
 Inspect and manage etcd-elastic runs: the rendezvous state that etcdrun agents keep in
-etcd (v3 API). Read commands (status, watch, list, gc --dry-run) never write; close and
-gc write only with compare-and-swap on the state key, and never touch a live node's key."""
+etcd (v3 API). Read commands (status, watch, list, gc --dry-run) never write; close,
+drain and gc write only with compare-and-swap on the state key, and never touch a live
+node's key."""
 
 _EPILOG = f"""\
 commands:
