@@ -32,7 +32,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TextIO
 
-from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler
+from torch.distributed.elastic.rendezvous import (
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousHandler,
+)
 
 from agent.config import LaunchConfig
 from agent.ending import (
@@ -198,8 +202,10 @@ class Agent:
                 # a membership change, not counted, instead of seeing their collectives
                 # fail when our workers go (a counted restart) and only then our key.
                 leave(self._handler, self._ctx())
-                # Pass the signal on, as torch does: a script may treat SIGINT apart.
-                self._stop_group(signal.Signals(signum), reason="stop")
+                # Pass the signal on, as torch does: a script may treat SIGINT apart (or
+                # the early warning, when one is configured).
+                first = self._config.drain_signal or signal.Signals(signum)
+                self._stop_group(first, reason="stop")
                 code = signal_exit_code(signum)
             return code
         finally:
@@ -238,6 +244,11 @@ class Agent:
             return self._monitor()
         except WorkerStartError as exc:
             return self._give_up(str(exc))
+        except RendezvousGracefulExitError as exc:
+            # The job ended while this node waited outside its round (a spare, on the wait
+            # list): it did its part, as torch's agent says with exit code 0.
+            log.info("%s: %s; exiting 0", self._ctx(), " ".join(str(exc).split()))
+            return 0
         except RendezvousError as exc:
             # Closed, join timeout, etcd unreachable, unreadable state: nothing this node
             # can fix by restarting, and none of them is a reason to close the run for
@@ -258,6 +269,8 @@ class Agent:
             self._wake.clear()
             if self._stop_signal is not None:
                 break
+            if self._drain_requested():
+                return self._drain()
             group = self._group
             state = group.state() if group is not None else WorkerState.UNKNOWN
             if self._must_stop_for_closed_run(state):
@@ -276,6 +289,25 @@ class Agent:
             if not self._start_round():
                 break
         return None
+
+    def _drain_requested(self) -> bool:
+        # Ours only (rdzvctl drain): answered from the watched view, no round trip.
+        return bool(getattr(self._handler, "drain_requested", False))
+
+    def _drain(self) -> int:
+        """An operator asked this node to leave (``rdzvctl drain``): leave the run first
+        (the lease is revoked, so the others re-form at once, not a counted restart), give
+        the workers the early warning and the grace, exit 0."""
+        first = self._config.drain_signal or signal.SIGTERM
+        log.warning(
+            "%s: drained by an operator: leaving the run; workers get %s and %.0f s before SIGKILL",
+            self._ctx(),
+            first.name,
+            self._config.stop_grace_period,
+        )
+        leave(self._handler, self._ctx())
+        self._stop_group(first, reason="drain")
+        return 0
 
     def _stop_for_closed_run(self, state: WorkerState) -> None:
         # The next rendezvous raises the handler's closed error, which carries the closer's

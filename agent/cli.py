@@ -22,8 +22,7 @@ import signal
 import sys
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from typing import Any
 
 from agent import devices
 from agent.cli_parser import IGNORED_FLAGS, build_parser
@@ -34,6 +33,7 @@ from agent.cli_values import (
     parse_ranks_filter,
     parse_rdzv_conf,
     parse_seconds,
+    parse_signal,
     parse_std_map,
     parse_whole,
 )
@@ -75,6 +75,19 @@ def _settings_error(exc: ConfigError) -> UsageError:
     return UsageError("--rdzv-conf", text)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Parameters:
+    """What the settings read of torch's ``RendezvousParameters``, without importing torch
+    (seconds): a bad command line ends before torch is loaded."""
+
+    run_id: str
+    endpoint: str
+    min_nodes: int
+    max_nodes: int
+    local_addr: str | None
+    config: dict[str, Any]
+
+
 def _check_rendezvous(config: LaunchConfig) -> None:
     """Validate endpoint, run id and rdzv_conf exactly as the coordinator will."""
     endpoint = _STANDALONE_PLACEHOLDER if config.standalone else config.rdzv_endpoint
@@ -82,14 +95,13 @@ def _check_rendezvous(config: LaunchConfig) -> None:
         parse_endpoints(endpoint)
         validate_run_id(config.rdzv_id)
         RendezvousSettings.from_parameters(
-            RendezvousParameters(
-                backend=config.rdzv_backend,
-                endpoint=endpoint,
+            _Parameters(
                 run_id=config.rdzv_id,
+                endpoint=endpoint,
                 min_nodes=config.min_nodes,
                 max_nodes=config.max_nodes,
                 local_addr=config.local_addr,
-                **config.rdzv_conf,
+                config=dict(config.rdzv_conf),
             )
         )
     except ConfigError as exc:
@@ -128,10 +140,51 @@ def _warn_ignored(ns: argparse.Namespace) -> None:
 # -- parse ---------------------------------------------------------------------------------
 
 
+def scheduler_run_id(environ: Mapping[str, str]) -> str | None:
+    """A run id every node of one scheduled job derives alike, or None outside one.
+
+    Slurm: ``slurm-<SLURM_JOB_ID>[.<SLURM_STEP_ID>]``: the job id is kept when Slurm
+    requeues the job (a retry finds its run), and the step id keeps two ``srun`` steps of
+    one allocation apart.
+    """
+    job, step = environ.get("SLURM_JOB_ID", "").strip(), environ.get("SLURM_STEP_ID", "").strip()
+    if not job:
+        return None
+    candidate = f"slurm-{job}" + (f".{step}" if step else "")
+    try:
+        return validate_run_id(candidate)
+    except ConfigError:
+        return None
+
+
+def _run_id(given: str, standalone: bool, max_nodes: int, environ: Mapping[str, str]) -> str | None:
+    """The run id to use; None: a multi-node job without one (refused)."""
+    if given not in ("none", ""):
+        return given
+    if standalone or max_nodes == 1:
+        # One node: nobody else joins, so a random id cannot split a job, and two such
+        # jobs on one etcd never meet.
+        return str(uuid.uuid4())
+    derived = scheduler_run_id(environ)
+    if derived is not None:
+        log.info("no --rdzv-id: run id %s from the scheduler's environment", derived)
+    return derived
+
+
+def _missing_run_id(max_nodes: int) -> UsageError:
+    return UsageError(
+        "--rdzv-id",
+        f"missing; a job of up to {max_nodes} nodes needs a run id that all its nodes share "
+        "and no other job uses (two jobs without one would share a run): give e.g. "
+        "--rdzv-id=job42 (under Slurm, SLURM_JOB_ID gives one)",
+    )
+
+
 def _config(
     ns: argparse.Namespace,
     cuda_device_count: Callable[[], int],
     cpu_count: Callable[[], int],
+    environ: Mapping[str, str],
 ) -> LaunchConfig:
     min_nodes, max_nodes = parse_nnodes(ns.nnodes)
     try:
@@ -171,9 +224,7 @@ def _config(
             f"--standalone runs one node but --nnodes={ns.nnodes} allows {max_nodes}; "
             "drop --standalone and give --rdzv-endpoint of an etcd all nodes can reach",
         )
-    rdzv_id = ns.rdzv_id.strip()
-    if standalone and rdzv_id == "none":
-        rdzv_id = str(uuid.uuid4())
+    run_id = _run_id(ns.rdzv_id.strip(), standalone, max_nodes, environ)
     master_port = ns.master_port
     master_addr = ns.master_addr
     local_addr = ns.local_addr
@@ -189,12 +240,14 @@ def _config(
         entrypoint="",
         rdzv_backend=backend,
         rdzv_endpoint=endpoint,
-        rdzv_id=rdzv_id,
+        rdzv_id=run_id or "none",
         rdzv_conf=parse_rdzv_conf(ns.rdzv_conf),
         standalone=standalone,
         local_addr=local_addr,
     )
     _check_rendezvous(config)
+    if not run_id:
+        raise _missing_run_id(max_nodes)
     shutdown = ns.shutdown_timeout
     config = dataclasses.replace(
         config,
@@ -209,6 +262,9 @@ def _config(
             config.stop_grace_period
             if shutdown is None
             else parse_seconds("--shutdown-timeout", shutdown, zero_ok=True)
+        ),
+        drain_signal=(
+            None if ns.drain_signal is None else parse_signal("--drain-signal", ns.drain_signal)
         ),
         role=ns.role.strip(),
         log_dir=ns.log_dir or None,
@@ -256,13 +312,15 @@ def parse_args(
         device_count: returns the number of CUDA devices (for ``gpu``/``auto``); default
             asks torch.
         cpu_count: returns the number of usable CPUs (for ``cpu``/``auto``).
-        environ: where ``PET_*`` defaults are read from; default ``os.environ``.
+        environ: where ``PET_*`` defaults (and a scheduler's job id, see
+            :data:`SCHEDULER_RUN_IDS`) are read from; default ``os.environ``.
 
     Returns:
         The validated configuration. ``--nproc-per-node`` is resolved to a number,
         ``--redirects``/``--tee`` to a value per local rank; a one-node job without
-        ``--rdzv-endpoint`` becomes ``standalone`` (as torchrun does), and a standalone
-        run without ``--rdzv-id`` gets a random one.
+        ``--rdzv-endpoint`` becomes ``standalone`` (as torchrun does); a one-node run
+        without ``--rdzv-id`` gets a random one, a multi-node run one from the scheduler
+        (``slurm-<SLURM_JOB_ID>[.<SLURM_STEP_ID>]``), or else it is refused (exit 2).
 
     Raises:
         SystemExit: code 2 after printing ``etcdrun: error: <flag>: <reason>`` for any
@@ -275,6 +333,7 @@ def parse_args(
             ns,
             device_count or devices.cuda_device_count,
             cpu_count or devices.cpu_count,
+            os.environ if environ is None else environ,
         )
     except UsageError as exc:
         parser.error(str(exc))

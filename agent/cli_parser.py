@@ -57,7 +57,7 @@ examples:
             --rdzv-endpoint=etcd1:2379,etcd2:2379,etcd3:2379 train.py --lr 0.1
 
 exit codes: 0 every worker succeeded; 1 the job failed (restarts exhausted, rendezvous
-error); 2 bad command line; 128+N ended by signal N."""
+error); 2 bad command line; 128+N ended by signal N (README: every ending)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -176,8 +176,8 @@ def build_parser(*, environ: Mapping[str, str] | None = None) -> argparse.Argume
         "--rdzv_id",
         default="none",
         metavar="RUN_ID",
-        help="job name shared by all nodes: 1-128 of A-Z a-z 0-9 . _ - "
-        "(default: none; random with --standalone)",
+        help="job name shared by all nodes: 1-128 of A-Z a-z 0-9 . _ - (required for "
+        "more than one node, unless Slurm's SLURM_JOB_ID gives one; random for one node)",
         show_default=False,
     )
     option(
@@ -230,6 +230,16 @@ def build_parser(*, environ: Mapping[str, str] | None = None) -> argparse.Argume
         default=None,
         metavar="SECONDS",
         help="grace period between SIGTERM and SIGKILL when stopping workers (default: 5)",
+    )
+    option(
+        run,
+        "--drain-signal",
+        "--drain_signal",
+        default=None,
+        metavar="SIGNAL",
+        help="early warning a leaving agent's workers get first (rdzvctl drain, or a stop "
+        "signal to the agent), e.g. SIGUSR1 for a script that checkpoints on it; SIGKILL "
+        "follows --shutdown-timeout later (default: the stop signal itself)",
     )
     option(
         run,

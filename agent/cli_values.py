@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+import signal
 
 from agent.config import Std
 
@@ -18,6 +19,7 @@ __all__ = [
     "parse_ranks_filter",
     "parse_rdzv_conf",
     "parse_seconds",
+    "parse_signal",
     "parse_std_map",
     "parse_whole",
 ]
@@ -142,3 +144,16 @@ def parse_modules(flag: str, text: str) -> tuple[str, ...]:
         if not all(piece.isidentifier() for piece in name.split(".")):
             raise UsageError(flag, f"{name!r} is not a module name; give e.g. torch,numpy")
     return names
+
+
+def parse_signal(flag: str, text: str) -> signal.Signals:
+    """A signal by name (``SIGUSR1``, ``USR1``, any case) or number."""
+    name = text.strip().upper()
+    try:
+        if name.isdigit():
+            return signal.Signals(int(name))
+        return signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+    except (KeyError, ValueError):
+        raise UsageError(
+            flag, f"{text!r} is not a signal; give a name such as SIGUSR1 or USR1, or a number"
+        ) from None

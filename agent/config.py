@@ -6,6 +6,7 @@ consumed by the agent loop. Frozen: nothing changes it after parsing.
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -52,6 +53,9 @@ class LaunchConfig:
             (:mod:`agent.warm`); ``--no-warm-start`` turns it off.
         warm_modules: what those interpreters import ahead (``--warm-modules``).
         warm_pool_size: how many are kept per local worker (``--warm-pool-size``).
+        drain_signal: the early warning a leaving agent's workers get first (drained by an
+            operator, or the agent was sent a stop signal), instead of the stop signal;
+            SIGKILL follows ``stop_grace_period`` later. None: the stop signal.
     """
 
     min_nodes: int
@@ -84,3 +88,4 @@ class LaunchConfig:
     warm_start: bool = True
     warm_modules: tuple[str, ...] = ("torch",)
     warm_pool_size: int = 2
+    drain_signal: signal.Signals | None = None

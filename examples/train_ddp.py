@@ -14,7 +14,9 @@ Options for the tests of the agent: ``--fail-once-at-epoch``/``--fail-rank`` mak
 worker exit 1 once (a marker file in the checkpoint folder remembers it happened);
 ``--always-fail-rank`` makes one worker raise every time, inside ``@record`` so torch's
 error file gets the traceback; ``--sleep-per-step`` keeps the job running while a test
-changes the membership; ``--report`` appends one JSON line per worker and attempt.
+changes the membership; ``--report`` appends one JSON line per worker and attempt;
+``--checkpoint-on-signal SIGUSR1`` saves this rank's state and exits 0 on that signal
+(what a preempted worker does with etcdrun's ``--drain-signal``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -78,6 +81,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--always-fail-rank", type=int, default=None, metavar="R")
     parser.add_argument("--sleep-per-step", type=float, default=0.0, metavar="S")
     parser.add_argument("--report", type=Path, default=None, metavar="FILE")
+    parser.add_argument("--checkpoint-on-signal", default=None, metavar="SIGNAL",
+                        help="on this signal (e.g. SIGUSR1, etcdrun's --drain-signal), save "
+                        "this rank's state as drained-rank<R>.pt in --checkpoint-dir and "
+                        "exit 0")  # fmt: skip
     args = parser.parse_args(argv)
     if args.epochs < 1 or args.steps_per_epoch < 1:
         parser.error("--epochs and --steps-per-epoch must be at least 1")
@@ -202,6 +209,27 @@ def always_fail(rank: int) -> None:
     raise RuntimeError(f"rank {rank}: failing on purpose (--always-fail-rank)")
 
 
+def on_signal_save(
+    args: argparse.Namespace, rank: int, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
+    """On the chosen signal, save this rank's state (no collective: peers may be gone)
+    and exit 0: a preempted worker's last act within the agent's grace."""
+    name = args.checkpoint_on_signal.upper()
+    signum = signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+
+    def save(_signum: int, _frame: object) -> None:
+        directory = args.checkpoint_dir or Path(".")
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / f".drained-rank{rank}.{os.getpid()}.tmp"
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp)
+        os.replace(tmp, directory / f"drained-rank{rank}.pt")
+        log.info("rank %d: %s: saved drained-rank%d.pt; exiting 0", rank, signum.name, rank)
+        sys.stdout.flush()
+        os._exit(0)  # at once: a collective in progress must not hold the exit
+
+    signal.signal(signum, save)
+
+
 @record
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
@@ -250,6 +278,8 @@ def main(argv: list[str] | None = None) -> None:
             )
         if args.always_fail_rank == rank:
             always_fail(rank)
+        if args.checkpoint_on_signal is not None:
+            on_signal_save(args, rank, model, optimizer)
         loss_fn = nn.MSELoss()
         for epoch in range(start_epoch, args.epochs):
             fail_once(args, epoch, rank)

@@ -1,7 +1,10 @@
 """The one exception tree of the core (it imports no torch)::
 
     EtcdElasticError
-    ├── RunClosedError                 the run was closed; nobody may join again
+    ├── RunClosedError                 the run (this node's incarnation) was closed
+    │   └── RunEndedWhileWaitingError  it finished (or was drained) while this node
+    │                                  waited outside the round (a spare, wait-listed),
+    │                                  or this node was drained (rdzvctl drain)
     ├── JoinTimeoutError               join_timeout passed before a round completed
     ├── EtcdConnectionError            no etcd member answered (names the endpoints)
     │   ├── EtcdAuthError              wrong user/password or not permitted
@@ -45,6 +48,13 @@ class EtcdElasticError(Exception):
 
 class RunClosedError(EtcdElasticError):
     """The run is closed: it finished (or an operator closed it) and admits nobody."""
+
+
+class RunEndedWhileWaitingError(RunClosedError):
+    """The run finished (or an operator drained it) while this node waited outside its
+    round, as a spare or on the wait list, or an operator drained this node: nothing is
+    left for it to do, and nothing failed (torch's agent exits 0 on its twin,
+    ``RendezvousGracefulExitError``)."""
 
 
 class JoinTimeoutError(EtcdElasticError):

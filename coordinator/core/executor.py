@@ -19,6 +19,7 @@ and retries closes. It holds no lock and keeps no state between calls.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -123,20 +124,30 @@ class StateExecutor:
         *,
         fence: Fence | None = None,
         delete_prefixes: Sequence[bytes] = (),
+        lease: int = 0,
     ) -> Commit:
         """Write ``apply(state, actions)`` if the state is still at ``known``'s revision.
 
         An empty ``actions`` still writes (gc uses that to stamp the state while it
         deletes the store). ``delete_prefixes`` go in the same transaction, and so does
-        the store of the round two before a round that this write completes.
+        the store of the round two before a round that this write completes, and the
+        whole store when this write starts a new incarnation (every node of the old one
+        has left). ``lease``: the state key is bound to it (the retention of an ended
+        run); a write without one unbinds it.
         """
         state, mod_revision = known
         new = apply(state, actions, written_by=self._written_by, now_unix_ms=self._wall_ms())
+        stale = (
+            [self._keys.store_root]
+            if new.incarnation != state.incarnation
+            else self._stale_store(state.round, new.round)
+        )
         result = self._client.put_if_mod_revision(
             self._keys.state,
             encode_state(new),
             mod_revision,
-            also_delete_prefixes=[*delete_prefixes, *self._stale_store(state.round, new.round)],
+            lease=lease,
+            also_delete_prefixes=[*delete_prefixes, *stale],
             fence=None if fence is None else (fence.key, fence.create_revision),
         )
         if result.succeeded:
@@ -164,6 +175,8 @@ class StateExecutor:
         known: tuple[RdzvState, int] | None = None,
         on_conflict: Callable[[KeyValue | None, int], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        retention: float = 0,
+        incarnation: int = 0,
     ) -> CloseOutcome:
         """Close the run: compare-and-swap until it sticks.
 
@@ -180,6 +193,12 @@ class StateExecutor:
             known: the state and mod_revision the caller already holds (saves a read).
             on_conflict: told of the current value after each lost race.
             clock: monotonic seconds.
+            retention: seconds the closed state is kept before etcd removes it (the state
+                key is bound to a lease of that TTL, granted here; 0: kept until
+                ``rdzvctl gc``). The lease is not kept alive; a later write (a new
+                incarnation) unbinds the key.
+            incarnation: close only that incarnation (0: the current one); the run of
+                another is left as it is (``changed`` False).
 
         Raises:
             CorruptValueError: the state key holds a value we cannot read (names the key).
@@ -188,11 +207,14 @@ class StateExecutor:
         """
         deadline = clock() + timeout
         state, mod_revision = self.read() if known is None else known
+        lease = 0
         while True:
-            actions = close(state, reason, mode)
+            actions = close(state, reason, mode, incarnation)
             if not actions:
                 return CloseOutcome(state, mod_revision, changed=False)
-            outcome = self.commit((state, mod_revision), actions)
+            if retention > 0 and not lease:
+                lease = self._client.lease_grant(max(1, math.ceil(retention)))
+            outcome = self.commit((state, mod_revision), actions, lease=lease)
             if outcome.succeeded:
                 return CloseOutcome(outcome.state, outcome.revision, changed=True)
             if on_conflict is not None:

@@ -16,6 +16,8 @@ close_timeout       30         seconds to wait for the others when closing
 read_timeout        60         retry budget of one etcd call, failover included
 timeout             900        default timeout of blocking Store get/wait (torchrun sets it)
 lease_ttl           5          seconds a dead node keeps its key (whole number, 1-600)
+retention           7200       seconds etcd keeps the state of a run an agent closed
+                               (finished or failed) before removing it; 0: until gc
 key_prefix          /etcd-elastic   etcd folder holding every run
 protocol            http       http or https (an https:// endpoint implies https)
 ssl_cert            -          client certificate file (with ssl_cert_key)
@@ -80,6 +82,7 @@ _TIMEOUT_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "read_tim
 _OWN_CONF_KEYS = (
     *_TIMEOUT_KEYS,
     "lease_ttl",
+    "retention",
     "key_prefix",
     "protocol",
     "ssl_cert",
@@ -100,6 +103,8 @@ KNOWN_CONF_KEYS: frozenset[str] = frozenset(_OWN_CONF_KEYS) | IGNORED_CONF_KEYS
 
 _DEFAULT_PORT = 2379
 _MAX_LEASE_TTL = 600
+# etcd's own limit on a lease's TTL (MaxLeaseTTL, about 285 years).
+_MAX_RETENTION = 9_000_000_000
 # One unary RPC attempt never waits longer than this; read_timeout bounds the retries.
 _MAX_REQUEST_TIMEOUT = 5.0
 _HOST_RE = re.compile(r"[A-Za-z0-9._-]+")
@@ -261,6 +266,7 @@ class RendezvousSettings:
     read_timeout: float = 60.0
     store_timeout: float = 900.0
     lease_ttl: int = 5
+    retention: float = 7200.0
     key_prefix: str = DEFAULT_KEY_PREFIX
     protocol: Literal["http", "https"] = "http"
     ssl_cert: str | None = None
@@ -298,6 +304,15 @@ class RendezvousSettings:
             raise ConfigError(
                 f"rdzv_conf lease_ttl={self.lease_ttl!r} must be between 1 and "
                 f"{_MAX_LEASE_TTL} seconds"
+            )
+        if not (
+            isinstance(self.retention, (int, float))
+            and math.isfinite(self.retention)
+            and 0 <= self.retention <= _MAX_RETENTION
+        ):
+            raise ConfigError(
+                f"rdzv_conf retention={self.retention!r} must be 0 (keep until rdzvctl gc) "
+                f"or up to {_MAX_RETENTION} seconds"
             )
         validate_key_prefix(self.key_prefix)
         if self.protocol not in ("http", "https"):
@@ -372,6 +387,7 @@ class RendezvousSettings:
             _warn_visible_password()
         elif user is not None and password_file is None:
             password = os.environ.get(PASSWORD_ENV) or None
+        retention_raw = conf.get("retention")
         return cls(
             run_id=params.run_id,
             min_nodes=params.min_nodes,
@@ -384,6 +400,7 @@ class RendezvousSettings:
             read_timeout=timeouts.get("read_timeout", 60.0),
             store_timeout=timeouts.get("timeout", 900.0),
             lease_ttl=5 if lease_raw is None else _whole_seconds("lease_ttl", lease_raw),
+            retention=7200.0 if retention_raw is None else _seconds("retention", retention_raw),
             key_prefix=_text("key_prefix", conf.get("key_prefix")) or DEFAULT_KEY_PREFIX,
             protocol="https" if protocol == "https" else "http",
             ssl_cert=_text("ssl_cert", conf.get("ssl_cert")),

@@ -40,7 +40,10 @@ __all__ = [
     "encode_state",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2 added ``incarnation`` to the state and the node records; a value of version 1 has none
+and decodes as incarnation 1 (a reader of version 1 refuses version 2 with "upgrade every
+agent of the run")."""
 
 MAX_ROUND = 2**63 - 2
 """The highest round a state may hold: nodes ask for ``round + 1`` and a completion writes
@@ -80,6 +83,9 @@ class RdzvState:
         redundancy_list: live nodes asking for ``round + 1`` while ``round`` is full.
         lost: participants of ``round`` whose lease ended (survivors must re-rendezvous).
         master_addr, master_port: bootstrap address of ``round`` (rank 0's).
+        incarnation: which start of the run this is (1, 2, ...): a closed run whose every
+            node has left is started again as ``incarnation + 1``.
+        draining: nodes an operator asked to leave (``rdzvctl drain``).
     """
 
     round: int = 0
@@ -95,6 +101,8 @@ class RdzvState:
     written_by: str = ""
     close_mode: CloseMode = "unspecified"
     closed_at_unix_ms: int = 0
+    incarnation: int = 1
+    draining: tuple[str, ...] = ()
 
     def rank_of(self, node_id: str) -> int | None:
         """The group rank of ``node_id`` in ``round``, or None if not a participant."""
@@ -108,9 +116,12 @@ class RdzvState:
         """What ``num_nodes_waiting()`` reports: nodes waiting plus participants lost.
 
         A lost participant counts so that any agent, torch's included, re-rendezvouses at
-        once instead of waiting for a collective to time out.
+        once instead of waiting for a collective to time out; so does a participant being
+        drained (it leaves: the others re-form without it, not a counted restart).
         """
-        return len(self.wait_list) + len(self.lost)
+        lost = set(self.lost)
+        leaving = [n for n in self.draining if n in self.participants and n not in lost]
+        return len(self.wait_list) + len(self.lost) + len(leaving)
 
 
 @dataclass(frozen=True)
@@ -127,6 +138,7 @@ class NodeInfo:
     lease_id: int = 0
     started_at_unix_ms: int = 0
     free_port: int = 0
+    incarnation: int = 1
     # Not stored in the value: etcd's create_revision of the key (arrival order).
     create_revision: int = field(default=0, compare=False)
 
@@ -162,6 +174,15 @@ def _check_port(key: str, field_name: str, port: int) -> None:
         raise CorruptValueError(key, f"{field_name} {port} is not a TCP port (1..{_MAX_PORT})")
 
 
+def _incarnation(key: str, value: int) -> int:
+    # Absent (0) in values of schema_version 1, which knew one incarnation per run.
+    if value < 0:
+        raise CorruptValueError(key, f"negative incarnation {value}")
+    if value > MAX_ROUND:
+        raise CorruptValueError(key, f"incarnation {value} is out of range")
+    return value or 1
+
+
 def encode_state(state: RdzvState) -> bytes:
     msg = pb.RendezvousState(
         schema_version=SCHEMA_VERSION,
@@ -179,6 +200,8 @@ def encode_state(state: RdzvState) -> bytes:
         master_port=state.master_port,
         close_mode=_CLOSE_MODES[state.close_mode],  # type: ignore[arg-type]
         closed_at_unix_ms=state.closed_at_unix_ms,
+        incarnation=state.incarnation,
+        draining=list(state.draining),
     )
     return _to_json(msg)
 
@@ -224,6 +247,8 @@ def _decode_state_cached(key: str, raw: bytes) -> RdzvState:
         written_by=msg.written_by,
         close_mode=_CLOSE_MODE_NAMES.get(msg.close_mode, "unspecified"),
         closed_at_unix_ms=msg.closed_at_unix_ms,
+        incarnation=_incarnation(key, msg.incarnation),
+        draining=tuple(msg.draining),
     )
 
 
@@ -240,6 +265,7 @@ def encode_node(node: NodeInfo) -> bytes:
         lease_id=node.lease_id,
         started_at_unix_ms=node.started_at_unix_ms,
         free_port=node.free_port,
+        incarnation=node.incarnation,
     )
     return _to_json(msg)
 
@@ -262,5 +288,6 @@ def decode_node(key: str, raw: bytes, create_revision: int = 0) -> NodeInfo:
         lease_id=msg.lease_id,
         started_at_unix_ms=msg.started_at_unix_ms,
         free_port=msg.free_port,
+        incarnation=_incarnation(key, msg.incarnation),
         create_revision=create_revision,
     )

@@ -20,6 +20,15 @@ Round rules (DESIGN §4): nodes ask for ``state.round + 1``. A round may form on
 with ``max_nodes`` joiners; with ``min_nodes`` it completes when the last call ends, or
 at once when every live participant of the last round has joined (a restart need not
 wait out last call). Survivors keep their rank order; newcomers follow by arrival.
+
+Incarnations (a run started again with the same id): a node belongs to the incarnation it
+first asked to join (:func:`incarnation_to_join`). A closed run admits no node of its own
+incarnation; a node that arrives at a closed run asks for ``incarnation + 1`` and waits;
+once every live node key belongs to ``incarnation + 1`` (every node of the ended one has
+left) the coordinator commits START_INCARNATION: the run is open again, empty, and its
+round number goes on (no store key of an old round is ever reused). The coordinator
+counts only the nodes of the current incarnation; a node of an older one never joins a
+newer one (ERROR_SUPERSEDED).
 """
 
 from __future__ import annotations
@@ -41,6 +50,9 @@ __all__ = [
     "close",
     "decide_coordinator",
     "decide_node",
+    "drain",
+    "incarnation_to_join",
+    "is_spare",
     "to_restore",
 ]
 
@@ -65,12 +77,36 @@ class NodeAction(enum.Enum):
     FINISH = "finish"
     #: The run is closed: raise RendezvousClosedError.
     ERROR_CLOSED = "error_closed"
+    #: The run finished (or was drained) while this node waited outside its round (a
+    #: spare, wait-listed): nothing failed, the node is done (torch's graceful exit).
+    EXIT_GRACEFULLY = "exit_gracefully"
     #: join_timeout passed: raise RendezvousTimeoutError.
     ERROR_TIMEOUT = "error_timeout"
+    #: The run was started again (or reset) after this node's incarnation: this node
+    #: belongs to an ended one and never joins another.
+    ERROR_SUPERSEDED = "error_superseded"
+
+
+def incarnation_to_join(state: RdzvState) -> int:
+    """The incarnation a node that has none yet joins: the state's while the run is open,
+    the next one once it is closed (the node then waits for every node of the ended
+    incarnation to leave)."""
+    return state.incarnation + 1 if state.closed else state.incarnation
+
+
+def is_spare(state: RdzvState, node_id: str) -> bool:
+    """Whether ``node_id`` is a listed spare of ``state`` (the redundancy list): it waits
+    for a place without a deadline, on events only."""
+    return node_id in state.redundancy_list and state.rank_of(node_id) is None
 
 
 def decide_node(
-    state: RdzvState, node_id: str, wanted_round: int, now: float, join_deadline: float
+    state: RdzvState,
+    node_id: str,
+    wanted_round: int,
+    now: float,
+    join_deadline: float,
+    incarnation: int = 0,
 ) -> NodeAction:
     """Decide the next step of a node that asked for ``wanted_round`` (0: not yet asked).
 
@@ -79,15 +115,25 @@ def decide_node(
         node_id: this node.
         wanted_round: the round in this node's key, 0 if it has not asked in this call.
         now, join_deadline: monotonic seconds.
+        incarnation: the incarnation this node belongs to (0: none yet; it takes
+            :func:`incarnation_to_join` when it asks).
     """
-    if state.closed:
-        return NodeAction.ERROR_CLOSED
+    if node_id in state.draining and incarnation in (0, state.incarnation):
+        return NodeAction.EXIT_GRACEFULLY  # drained: it leaves and is never admitted
+    if incarnation:
+        if state.closed and incarnation == state.incarnation:
+            waited_outside = state.rank_of(node_id) is None
+            if waited_outside and state.close_mode in ("finished", "drain"):
+                return NodeAction.EXIT_GRACEFULLY
+            return NodeAction.ERROR_CLOSED
+        if incarnation != incarnation_to_join(state):
+            return NodeAction.ERROR_SUPERSEDED
     if wanted_round and state.round == wanted_round and state.rank_of(node_id) is not None:
         return NodeAction.FINISH
-    spare = wanted_round > state.round and node_id in state.redundancy_list
-    if now >= join_deadline and not spare:
+    if now >= join_deadline and not is_spare(state, node_id):
         # A spare (listed as redundant because the round is full) waits without a
-        # deadline, as torch's: it is what takes a lost node's place.
+        # deadline, as torch's: it is what takes a lost node's place. A round that
+        # completes without it keeps it listed, and it asks for the next one.
         return NodeAction.ERROR_TIMEOUT
     if wanted_round <= state.round:
         # Never asked, or the round it asked for completed without it: ask for the next.
@@ -107,6 +153,13 @@ class ActionKind(enum.Enum):
     REMOVE_FROM_REDUNDANCY_LIST = "remove_from_redundancy_list"
     MARK_RENDEZVOUS_COMPLETE = "mark_rendezvous_complete"
     MARK_RENDEZVOUS_CLOSED = "mark_rendezvous_closed"
+    #: Every node of the closed incarnation left and nodes ask for the next: open the run
+    #: again, empty, as ``incarnation + 1`` (the round number goes on).
+    START_INCARNATION = "start_incarnation"
+    #: An operator asks a node to leave gracefully (``rdzvctl drain``).
+    ADD_TO_DRAINING = "add_to_draining"
+    #: A draining node's key is gone: it left.
+    REMOVE_FROM_DRAINING = "remove_from_draining"
 
 
 @dataclass(frozen=True)
@@ -165,7 +218,19 @@ def decide_coordinator(
         last_call_deadline: from the previous decision (None at first).
     """
     if state.closed:
-        return CoordinatorDecision((), None, math.inf)
+        # Started again only when no node of the ended incarnation (or any other) is left.
+        restart = bool(nodes) and all(
+            n.incarnation == state.incarnation + 1 for n in nodes.values()
+        )
+        start = (Action(ActionKind.START_INCARNATION),) if restart else ()
+        return CoordinatorDecision(start, None, math.inf)
+    # A draining node is leaving: it is neither a joiner nor alive for the rounds to come.
+    all_nodes = nodes
+    nodes = {
+        k: n
+        for k, n in nodes.items()
+        if n.incarnation == state.incarnation and k not in state.draining
+    }
     target = state.round + 1
     joiners = _order_joiners(state, (n for n in nodes.values() if n.wanted_round == target))
     joiner_ids = {n.node_id for n in joiners}
@@ -178,7 +243,11 @@ def decide_coordinator(
         deadline = last_call_deadline
         if deadline is None:
             deadline = now + limits.last_call_timeout
-        if len(joiners) >= limits.max_nodes or everyone_back or now >= deadline:
+        # max_nodes joiners complete at once, except while a live participant of the last
+        # round has not re-joined yet: spares must not take the places of live nodes that
+        # are only slower to come back (they are waited for until last call ends).
+        full = len(joiners) >= limits.max_nodes and (state.round == 0 or not live_prev)
+        if full or everyone_back or now >= deadline:
             chosen = joiners[: limits.max_nodes]
             rank0 = chosen[0]
             complete = Action(
@@ -190,7 +259,7 @@ def decide_coordinator(
             )
             return CoordinatorDecision((complete,), None, math.inf)
 
-    actions = _bookkeeping(state, nodes, limits, joiners)
+    actions = _bookkeeping(state, nodes, limits, joiners, all_nodes)
     wake_at = deadline if deadline is not None else math.inf
     return CoordinatorDecision(tuple(actions), deadline, wake_at)
 
@@ -200,10 +269,15 @@ def _bookkeeping(
     nodes: Mapping[str, NodeInfo],
     limits: Limits,
     joiners: list[NodeInfo],
+    all_nodes: Mapping[str, NodeInfo],
 ) -> list[Action]:
-    """Keep the lists of a completed round in step with the live nodes."""
-    if state.round == 0:
-        return []  # nothing formed yet: everyone is simply joining the first round
+    """Keep the lists of a completed round in step with the live nodes (``nodes``: of
+    this incarnation and not draining; ``all_nodes``: every live key)."""
+    left_draining = tuple(n for n in state.draining if n not in all_nodes)
+    if state.round == 0 or not state.participants:
+        # Nothing formed yet, or a run started again (or restored) with no round running:
+        # everyone is simply joining the next round.
+        return [Action(ActionKind.REMOVE_FROM_DRAINING, left_draining)] if left_draining else []
     actions: list[Action] = []
     newly_lost = tuple(p for p in state.participants if p not in nodes and p not in state.lost)
     if newly_lost:
@@ -214,6 +288,8 @@ def _bookkeeping(
     gone_redundant = tuple(n for n in state.redundancy_list if n not in nodes)
     if gone_redundant:
         actions.append(Action(ActionKind.REMOVE_FROM_REDUNDANCY_LIST, gone_redundant))
+    if left_draining:
+        actions.append(Action(ActionKind.REMOVE_FROM_DRAINING, left_draining))
 
     listed = set(state.wait_list) | set(state.redundancy_list)
     unlisted = [n.node_id for n in joiners if n.node_id not in listed]
@@ -280,19 +356,36 @@ def apply(
                 close_mode=action.mode,
                 closed_at_unix_ms=now_unix_ms,
             )
+        elif kind is ActionKind.ADD_TO_DRAINING:
+            state = replace(state, draining=_with(state.draining, ids))
+        elif kind is ActionKind.REMOVE_FROM_DRAINING:
+            state = replace(state, draining=_without(state.draining, ids))
+        elif kind is ActionKind.START_INCARNATION:
+            state = RdzvState(round=state.round, incarnation=state.incarnation + 1)
     return replace(state, written_by=written_by) if written_by else state
 
 
-def close(state: RdzvState, reason: str, mode: CloseMode = "finished") -> tuple[Action, ...]:
+def close(
+    state: RdzvState, reason: str, mode: CloseMode = "finished", incarnation: int = 0
+) -> tuple[Action, ...]:
     """The actions that close the run (none if it is closed already).
 
     Args:
         reason: shown to every node that finds the run closed.
         mode: what the agents still running should do (see ``CloseMode``).
+        incarnation: close only this incarnation (0: whichever is current). A node of
+            an ended incarnation must never close the run started after it.
     """
-    if state.closed:
+    if state.closed or (incarnation and incarnation != state.incarnation):
         return ()
     return (Action(ActionKind.MARK_RENDEZVOUS_CLOSED, reason=reason, mode=mode),)
+
+
+def drain(state: RdzvState, node_id: str) -> tuple[Action, ...]:
+    """The actions that ask ``node_id`` to leave gracefully (none if already asked)."""
+    if node_id in state.draining:
+        return ()
+    return (Action(ActionKind.ADD_TO_DRAINING, (node_id,)),)
 
 
 def to_restore(last_good: RdzvState, store_floor: int) -> RdzvState | None:

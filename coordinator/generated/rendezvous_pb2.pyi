@@ -28,7 +28,7 @@ class Participant(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class RendezvousState(_message.Message):
-    __slots__ = ("schema_version", "round", "complete", "closed", "participants", "wait_list", "redundancy_list", "lost", "closed_reason", "completed_at_unix_ms", "written_by", "master_addr", "master_port", "close_mode", "closed_at_unix_ms")
+    __slots__ = ("schema_version", "round", "complete", "closed", "participants", "wait_list", "redundancy_list", "lost", "closed_reason", "completed_at_unix_ms", "written_by", "master_addr", "master_port", "close_mode", "closed_at_unix_ms", "incarnation", "draining")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,8 @@ class RendezvousState(_message.Message):
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
     CLOSE_MODE_FIELD_NUMBER: _ClassVar[int]
     CLOSED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     round: int
     complete: bool
@@ -59,10 +61,12 @@ class RendezvousState(_message.Message):
     master_port: int
     close_mode: CloseMode
     closed_at_unix_ms: int
-    def __init__(self, schema_version: _Optional[int] = ..., round: _Optional[int] = ..., complete: _Optional[bool] = ..., closed: _Optional[bool] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., wait_list: _Optional[_Iterable[str]] = ..., redundancy_list: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[str]] = ..., closed_reason: _Optional[str] = ..., completed_at_unix_ms: _Optional[int] = ..., written_by: _Optional[str] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., close_mode: _Optional[_Union[CloseMode, str]] = ..., closed_at_unix_ms: _Optional[int] = ...) -> None: ...
+    incarnation: int
+    draining: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, schema_version: _Optional[int] = ..., round: _Optional[int] = ..., complete: _Optional[bool] = ..., closed: _Optional[bool] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., wait_list: _Optional[_Iterable[str]] = ..., redundancy_list: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[str]] = ..., closed_reason: _Optional[str] = ..., completed_at_unix_ms: _Optional[int] = ..., written_by: _Optional[str] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., close_mode: _Optional[_Union[CloseMode, str]] = ..., closed_at_unix_ms: _Optional[int] = ..., incarnation: _Optional[int] = ..., draining: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NodeRecord(_message.Message):
-    __slots__ = ("schema_version", "node_id", "addr", "hostname", "pid", "local_world_size", "role", "wanted_round", "lease_id", "started_at_unix_ms", "free_port")
+    __slots__ = ("schema_version", "node_id", "addr", "hostname", "pid", "local_world_size", "role", "wanted_round", "lease_id", "started_at_unix_ms", "free_port", "incarnation")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDR_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +78,7 @@ class NodeRecord(_message.Message):
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     FREE_PORT_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     node_id: str
     addr: str
@@ -85,4 +90,5 @@ class NodeRecord(_message.Message):
     lease_id: int
     started_at_unix_ms: int
     free_port: int
-    def __init__(self, schema_version: _Optional[int] = ..., node_id: _Optional[str] = ..., addr: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., local_world_size: _Optional[int] = ..., role: _Optional[str] = ..., wanted_round: _Optional[int] = ..., lease_id: _Optional[int] = ..., started_at_unix_ms: _Optional[int] = ..., free_port: _Optional[int] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, schema_version: _Optional[int] = ..., node_id: _Optional[str] = ..., addr: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., local_world_size: _Optional[int] = ..., role: _Optional[str] = ..., wanted_round: _Optional[int] = ..., lease_id: _Optional[int] = ..., started_at_unix_ms: _Optional[int] = ..., free_port: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...

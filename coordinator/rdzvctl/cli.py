@@ -21,7 +21,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, NoReturn
 
 from coordinator.core.errors import ConfigError
-from coordinator.core.keys import DEFAULT_KEY_PREFIX, validate_key_prefix, validate_run_id
+from coordinator.core.keys import (
+    DEFAULT_KEY_PREFIX,
+    validate_key_prefix,
+    validate_node_id,
+    validate_run_id,
+)
 
 if TYPE_CHECKING:
     from coordinator.core.etcd_client import EtcdConfig
@@ -44,7 +49,7 @@ __all__ = [
 ]
 
 PROG = "rdzvctl"
-COMMANDS = ("status", "watch", "list", "close", "gc")
+COMMANDS = ("status", "watch", "list", "close", "drain", "gc")
 DEFAULT_ENDPOINT = "127.0.0.1:2379"
 DEFAULT_READ_TIMEOUT = 10.0
 PASSWORD_ENV = "RDZVCTL_PASSWORD"
@@ -61,8 +66,9 @@ EXIT_UNREACHABLE = 3
 
 _DESCRIPTION = """\
 Inspect and manage etcd-elastic runs: the rendezvous state that etcdrun agents keep in
-etcd (v3 API). Read commands (status, watch, list, gc --dry-run) never write; close and
-gc write only with compare-and-swap on the state key, and never touch a live node's key."""
+etcd (v3 API). Read commands (status, watch, list, gc --dry-run) never write; close,
+drain and gc write only with compare-and-swap on the state key, and never touch a live
+node's key."""
 
 _EPILOG = f"""\
 commands:
@@ -71,7 +77,11 @@ commands:
   watch RUN         one line per change, as it happens, until Ctrl-C (or --count/--timeout)
   list              every run under --key-prefix with its state
   close RUN         end the run: agents finish their current attempt and exit 0;
-                    nobody may join again
+                    no node joins it again (once all have left, the same run id
+                    starts a new incarnation)
+  drain RUN NODE    ask one node to leave: its workers get the agent's --drain-signal
+                    and grace, its lease is revoked at once, the others re-form
+                    without it (not a counted restart), and that agent exits 0
   gc --older-than D remove the keys of closed or abandoned runs (no node alive) whose
                     last round completed at least D ago (90s, 10m, 2h, 7d); --dry-run
                     lists what would go. A run with a live node key is never touched.
@@ -222,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     close.add_argument("--reason", metavar="TEXT", default=None,
                        help="shown to every agent and in status (default: closed by an "
                        "operator with rdzvctl on <host>)")  # fmt: skip
+    drain = command("drain", "ask one node of a run to leave gracefully; its agent exits 0")
+    drain.add_argument("run", metavar="RUN", help="the run id (--rdzv-id of the agents)")
+    drain.add_argument("node", metavar="NODE", help="the node id (see rdzvctl status RUN)")
     gc = command("gc", "remove the keys of closed or abandoned runs older than an age")
     gc.add_argument("--older-than", dest="older_than", metavar="DURATION", required=True,
                     help="least age since the last round completed: 90s, 10m, 2h, 7d")  # fmt: skip
@@ -239,6 +252,7 @@ class Options:
     key_prefix: str
     json: bool = False
     run: str | None = None
+    node: str | None = None
     count: int | None = None
     timeout: float | None = None
     reason: str | None = None
@@ -364,6 +378,12 @@ def _check(ns: argparse.Namespace, environ: Mapping[str, str]) -> Options:
             validate_run_id(run)
         except ConfigError as exc:
             raise UsageError("RUN", _reword(exc, "rdzv_id ", "")) from None
+    node = values.get("node")
+    if node is not None:
+        try:
+            validate_node_id(node)
+        except ConfigError as exc:
+            raise UsageError("NODE", _reword(exc, "node id ", "")) from None
     count = None
     if values.get("count") is not None:
         text = values["count"]
@@ -388,6 +408,7 @@ def _check(ns: argparse.Namespace, environ: Mapping[str, str]) -> Options:
         key_prefix=key_prefix,
         json=bool(values.get("json", False)),
         run=run,
+        node=node,
         count=count,
         timeout=timeout,
         reason=" ".join(reason.split()) if reason is not None else None,

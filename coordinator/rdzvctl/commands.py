@@ -40,6 +40,8 @@ __all__ = ["run"]
 
 # How long close keeps retrying while the coordinator keeps committing.
 _CLOSE_TIMEOUT_S = 30.0
+# How many compare-and-swap attempts a drain makes while the coordinator commits.
+_DRAIN_TRIES = 20
 
 
 class _Failed(Exception):
@@ -149,11 +151,46 @@ def _close(client: EtcdClient, opts: Options, out: _Out) -> int:
     elif outcome.changed:
         out.lines(
             [f"run {keys.run_id} closed ({stored}): its agents finish their current "
-             "attempt and exit 0; nobody may join again"]
+             "attempt and exit 0; no node joins it again (once all have left, the same "
+             "run id starts a new incarnation)"]
         )  # fmt: skip
     else:
         out.lines([f"run {keys.run_id} was closed already ({stored or 'no reason given'})"])
     return EXIT_OK
+
+
+def _drain(client: EtcdClient, opts: Options, out: _Out) -> int:
+    from coordinator.core.executor import StateExecutor
+    from coordinator.core.transitions import drain
+
+    keys = _run_keys(opts)
+    node = opts.node or ""
+    kv, _ = client.get(keys.node(node))
+    if kv is None:
+        raise _Failed(
+            f"node {node} is not alive in run {keys.run_id} (no key {keys.node(node).decode()}); "
+            f"see {PROG} status {keys.run_id}"
+        )
+    executor = StateExecutor(client, keys, written_by=_operator())
+    for _ in range(_DRAIN_TRIES):
+        known = executor.read()
+        if known[0].closed:
+            raise _Failed(f"run {keys.run_id} is closed: its nodes are leaving already")
+        actions = drain(known[0], node)
+        if opts.json and (not actions or executor.commit(known, actions).succeeded):
+            out.data({"run_id": keys.run_id, "node_id": node, "changed": bool(actions)})
+            return EXIT_OK
+        if not actions:
+            out.lines([f"node {node} of run {keys.run_id} was asked to leave already"])
+            return EXIT_OK
+        if not opts.json and executor.commit(known, actions).succeeded:
+            out.lines(
+                [f"node {node} of run {keys.run_id} asked to leave: its workers get the "
+                 "agent's drain signal and grace, the others re-form without it, and its "
+                 "agent exits 0"]
+            )  # fmt: skip
+            return EXIT_OK
+    raise _Failed(f"could not drain {node}: the state of run {keys.run_id} kept changing")
 
 
 def _gc(client: EtcdClient, opts: Options, out: _Out) -> int:
@@ -224,6 +261,7 @@ _COMMANDS: dict[str, Callable[[EtcdClient, Options, _Out], int]] = {
     "watch": _watch,
     "list": _list,
     "close": _close,
+    "drain": _drain,
     "gc": _gc,
 }
 

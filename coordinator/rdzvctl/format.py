@@ -80,13 +80,19 @@ def node_status(snapshot: RunSnapshot, node_id: str) -> str:
     state = snapshot.effective_state
     rank = state.rank_of(node_id)
     node = snapshot.node(node_id)
+    if node_id in state.draining:
+        return "draining"  # rdzvctl drain: it is leaving
+    if node is not None and node.info.incarnation != state.incarnation:
+        if state.closed and node.info.incarnation == state.incarnation + 1:
+            return "starting it again"  # waits for the closed incarnation's nodes to leave
+        return f"of incarnation {node.info.incarnation}"
     asks_next = node is not None and node.info.wanted_round == state.round + 1
     if rank is not None and state.round > 0:
         return f"rank {rank}, rejoining" if asks_next else f"rank {rank}"
     if node_id in state.wait_list:
         return "waiting"
     if node_id in state.redundancy_list:
-        return "redundant"
+        return "spare"  # listed as redundant: it takes a lost node's place
     return "joining" if asks_next else "idle"
 
 
@@ -121,7 +127,11 @@ def _state_block(snapshot: RunSnapshot, now_ms: int, tz: datetime.tzinfo | None)
     closed = "no"
     if state.closed:
         closed = f"yes: {state.closed_reason}" if state.closed_reason else "yes"
-    lines = [f"state:           {_state_line(snapshot, now_ms, tz)}", f"closed:          {closed}"]
+    lines = [
+        f"state:           {_state_line(snapshot, now_ms, tz)}",
+        f"incarnation:     {state.incarnation}",
+        f"closed:          {closed}",
+    ]
     if state.master_addr:
         lines.append(f"master:          {state.master_addr}:{state.master_port}")
     lines.append(f"participants:    {len(state.participants)} in round {state.round}")
@@ -141,8 +151,9 @@ def _state_block(snapshot: RunSnapshot, now_ms: int, tz: datetime.tzinfo | None)
         lines.extend(table(headers, rows))
     lines += [
         f"wait list:       {_list(state.wait_list)}",
-        f"redundancy list: {_list(state.redundancy_list)}",
+        f"spares:          {_list(state.redundancy_list)}",
         f"lost:            {_list(state.lost)}",
+        f"draining:        {_list(state.draining)}",
     ]
     return lines
 
@@ -215,6 +226,7 @@ def status_json(snapshot: RunSnapshot) -> dict[str, Any]:
             del entry["status"]
         participants.append(entry)
     from_state: dict[str, Any] = {
+        "incarnation": state.incarnation,
         "round": state.round,
         "closed": state.closed,
         "closed_reason": state.closed_reason,
@@ -226,6 +238,7 @@ def status_json(snapshot: RunSnapshot) -> dict[str, Any]:
         "wait_list": list(state.wait_list),
         "redundancy_list": list(state.redundancy_list),
         "lost": list(state.lost),
+        "draining": list(state.draining),
         "joining": list(joining(snapshot)),
     }
     current = phase(snapshot)
@@ -251,6 +264,7 @@ def _list_row(snapshot: RunSnapshot) -> dict[str, Any]:
     return {
         "run_id": snapshot.run_id,
         "phase": phase(snapshot),
+        "incarnation": state.incarnation,
         "round": state.round,
         "participants": len(state.participants),
         "alive": len(snapshot.nodes),
@@ -275,10 +289,12 @@ def list_lines(snapshots: Sequence[RunSnapshot], key_prefix: str) -> list[str]:
         if row["closed"]:
             closed = f"yes: {row['closed_reason']}" if row["closed_reason"] else "yes"
         rows.append(
-            [row["run_id"], row["phase"], str(row["round"]), str(row["participants"]),
-             str(row["alive"]), str(row["waiting"]), str(row["lost"]), closed]
+            [row["run_id"], row["phase"], str(row["incarnation"]), str(row["round"]),
+             str(row["participants"]), str(row["alive"]), str(row["waiting"]),
+             str(row["lost"]), closed]
         )  # fmt: skip
-    headers = ["RUN", "PHASE", "ROUND", "PARTICIPANTS", "ALIVE", "WAITING", "LOST", "CLOSED"]
+    headers = ["RUN", "PHASE", "INCARNATION", "ROUND", "PARTICIPANTS", "ALIVE", "WAITING",
+               "LOST", "CLOSED"]  # fmt: skip
     return table(headers, rows, indent="")
 
 

@@ -1,4 +1,5 @@
-"""``rdzvctl``: the operator's view of etcd-elastic runs (status, watch, list, close, gc).
+"""``rdzvctl``: the operator's view of etcd-elastic runs (status, watch, list, close, drain,
+gc).
 
 The command line is parsed and checked in :mod:`coordinator.rdzvctl.cli` (exit code 2 on
 a bad value, before anything connects); the commands run in

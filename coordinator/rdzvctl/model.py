@@ -141,8 +141,8 @@ def phase(snapshot: RunSnapshot) -> str:
     if state is None and not snapshot.nodes:
         return "empty"
     current = snapshot.effective_state
-    if current.round == 0:
-        return "forming"
+    if current.round == 0 or not current.participants:
+        return "forming"  # nothing formed yet, or in this incarnation
     askers = set(joining(snapshot))
     alive = {n.node_id for n in snapshot.nodes}
     live_prev = [p for p in current.participants if p in alive]

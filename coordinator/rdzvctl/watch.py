@@ -37,7 +37,8 @@ class Change:
         revision: the etcd revision of the change.
         kind: node_joined, node_asks, node_rewrote, node_left, round_complete, waiting,
             not_waiting, redundant, not_redundant, lost, closed, state_rewritten,
-            state_deleted, foreign_key, corrupt, resync.
+            state_deleted, foreign_key, corrupt, resync, incarnation (started again),
+            draining.
         text: the human line (without the time).
         node_id, round, nodes, reason: the facts the text is made of, for ``--json``.
     """
@@ -63,6 +64,12 @@ def diff_states(old: RdzvState, new: RdzvState, revision: int) -> list[Change]:
     """The changes from ``old`` to ``new`` state, in the order an operator expects."""
     out: list[Change] = []
     next_round = new.round + 1
+    if new.incarnation != old.incarnation:
+        text = f"run started again as incarnation {new.incarnation} (round {new.round})"
+        return [Change(revision, "incarnation", text, round=new.round)]
+    for node in _added(old.draining, new.draining):
+        text = f"node {node} asked to leave (drain)"
+        out.append(Change(revision, "draining", text, node_id=node, round=new.round))
     if new.round != old.round:
         text = f"round {new.round} complete: {len(new.participants)} nodes"
         text += f" {_names(new.participants)}"

@@ -6,6 +6,7 @@ torch…RendezvousClosedError`` both hold::
 
     torch RendezvousError
     ├── RendezvousClosedError      ← RunClosedError
+    ├── RendezvousGracefulExitError ← RunEndedWhileWaitingError (also a RunClosedError)
     ├── RendezvousTimeoutError     ← JoinTimeoutError
     ├── RendezvousConnectionError  ← EtcdConnectionError ← EtcdAuthError, EtcdTLSError
     ├── RendezvousStateError       ← CorruptValueError
@@ -28,6 +29,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
+    RendezvousGracefulExitError,
     RendezvousStateError,
     RendezvousTimeoutError,
 )
@@ -49,6 +51,7 @@ __all__ = [
     "RendezvousStateError",
     "RendezvousTimeoutError",
     "RunClosedError",
+    "RunEndedWhileWaitingError",
     "as_torch_error",
     "torch_errors",
 ]
@@ -56,6 +59,11 @@ __all__ = [
 
 class RunClosedError(core.RunClosedError, RendezvousClosedError):
     """See :class:`coordinator.core.errors.RunClosedError`."""
+
+
+class RunEndedWhileWaitingError(core.RunEndedWhileWaitingError, RendezvousGracefulExitError):
+    """See :class:`coordinator.core.errors.RunEndedWhileWaitingError`; torch's agent
+    exits 0 on it."""
 
 
 class JoinTimeoutError(core.JoinTimeoutError, RendezvousTimeoutError):
@@ -95,6 +103,7 @@ _TWINS: tuple[tuple[type[core.EtcdElasticError], type[core.EtcdElasticError]], .
     (core.EtcdAuthError, EtcdAuthError),
     (core.EtcdTLSError, EtcdTLSError),
     (core.EtcdConnectionError, EtcdConnectionError),
+    (core.RunEndedWhileWaitingError, RunEndedWhileWaitingError),
     (core.RunClosedError, RunClosedError),
     (core.JoinTimeoutError, JoinTimeoutError),
     (core.CorruptValueError, CorruptValueError),

@@ -46,6 +46,7 @@ from coordinator.core.errors import (
     JoinTimeoutError,
     NodeLeftError,
     RunClosedError,
+    RunEndedWhileWaitingError,
 )
 from coordinator.core.etcd_client import EtcdClient
 from coordinator.core.executor import StateExecutor
@@ -56,7 +57,13 @@ from coordinator.core.ports import free_port
 from coordinator.core.settings import RendezvousSettings
 from coordinator.core.state import CloseMode, NodeInfo, RdzvState
 from coordinator.core.threads import ThreadDied
-from coordinator.core.transitions import Limits, NodeAction, decide_node
+from coordinator.core.transitions import (
+    Limits,
+    NodeAction,
+    decide_node,
+    incarnation_to_join,
+    is_spare,
+)
 from coordinator.torch_adapter.errors import torch_errors
 from coordinator.torch_adapter.store import EtcdStore
 
@@ -119,6 +126,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
         """The round of this node's last completed rendezvous (-1: none yet)."""
         self.last_members: tuple[str, ...] = ()
         """That round's node ids in group-rank order."""
+        self.incarnation = 0
+        """The incarnation of the run this node belongs to (0: it has not asked to join
+        yet). Taken at the first join and kept: a node never joins another incarnation."""
 
     # -- plumbing ----------------------------------------------------------------------
 
@@ -196,6 +206,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 lease_id=lease_id,
                 started_at_unix_ms=self._started_ms,
                 free_port=free_port(""),
+                incarnation=self.incarnation,
             )
 
         parts.member.write(record)
@@ -232,13 +243,17 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 parts, wanted = self._participation(), 0
             view = parts.view
             state, _, seen = view.read()
-            action = decide_node(state, self.node_id, wanted, self._clock(), deadline)
+            action = decide_node(
+                state, self.node_id, wanted, self._clock(), deadline, self.incarnation
+            )
             if action is not NodeAction.FINISH and wanted and self._session_lost():
                 # Our key is gone before our round completed: ask again with a new lease.
                 # (Had the round completed with us, the rank is ours; the loss then shows
                 # in num_nodes_waiting() and the agent re-rendezvouses.)
                 wanted = 0
-                action = decide_node(state, self.node_id, wanted, self._clock(), deadline)
+                action = decide_node(
+                    state, self.node_id, wanted, self._clock(), deadline, self.incarnation
+                )
             rank = state.rank_of(self.node_id)
             if action is NodeAction.FINISH and rank is not None:
                 log.info(
@@ -248,11 +263,38 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 )  # fmt: skip
                 self.last_round, self.last_members = state.round, state.participants
                 return self._info(state, rank)
+            if action is NodeAction.EXIT_GRACEFULLY and self.node_id in state.draining:
+                raise RunEndedWhileWaitingError(
+                    f"run {run_id!r}: node {self.node_id} was drained (rdzvctl drain): it "
+                    "leaves the run"
+                )
+            if action is NodeAction.EXIT_GRACEFULLY:
+                how = "was drained" if state.close_mode == "drain" else "finished"
+                where = "as a spare" if is_spare(state, self.node_id) else "outside its round"
+                raise RunEndedWhileWaitingError(
+                    f"run {run_id!r} {how} ({state.closed_reason or 'closed'}) while node "
+                    f"{self.node_id} waited {where}: nothing left to do"
+                )
             if action is NodeAction.ERROR_CLOSED:
                 reason = f" ({state.closed_reason})" if state.closed_reason else ""
                 raise RunClosedError(
-                    f"run {run_id!r} is closed{reason}: it admits no more nodes; "
-                    "start a new run with another --rdzv-id"
+                    f"run {run_id!r} is closed{reason}: it admits no more nodes; start "
+                    "the job again (same --rdzv-id) once every node of this run has left"
+                )
+            if action is NodeAction.ERROR_SUPERSEDED:
+                self.leave()
+                raise RunClosedError(
+                    f"run {run_id!r} was started again as incarnation {state.incarnation} "
+                    f"after this node's incarnation {self.incarnation} ended: this node "
+                    "belongs to the ended one and never joins another; start it again"
+                )
+            if action is NodeAction.ERROR_TIMEOUT and state.closed:
+                self.leave()
+                raise JoinTimeoutError(
+                    f"run {run_id!r}: node {self.node_id} waited join_timeout="
+                    f"{self._settings.join_timeout:g} s to start the run again as incarnation "
+                    f"{self.incarnation}, but a node of the closed incarnation "
+                    f"{state.incarnation} ({state.closed_reason or 'closed'}) has not left"
                 )
             if action is NodeAction.ERROR_TIMEOUT:
                 self.leave()
@@ -264,9 +306,23 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 )
             if action is NodeAction.JOIN:
                 wanted = state.round + 1
+                if not self.incarnation:
+                    self.incarnation = incarnation_to_join(state)
+                    if state.closed:
+                        log.info(
+                            "node %s: run %s is closed (%s); asking to start it again as "
+                            "incarnation %d once every node of incarnation %d has left",
+                            self.node_id, run_id, state.closed_reason or "closed",
+                            self.incarnation, state.incarnation,
+                        )  # fmt: skip
                 self._write_node(parts, wanted)
                 continue
-            view.wait_newer(seen, max(deadline - self._clock(), 0.0), self._session_lost)
+            # A listed spare waits for events only, without a deadline (past join_timeout
+            # a timeout of 0 would make this loop spin).
+            timeout = None if is_spare(state, self.node_id) else deadline - self._clock()
+            view.wait_newer(
+                seen, None if timeout is None else max(timeout, 0.0), self._session_lost
+            )
 
     def _info(self, state: RdzvState, rank: int) -> RendezvousInfo:
         store = EtcdStore(
@@ -283,7 +339,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def is_closed(self) -> bool:
         # From memory and never raising: a running agent asks this every tick, and an
         # unreadable state (an operator's stray put) must not end its training.
-        return self._participation().view.peek().closed
+        return self._closed_for_me(self._participation().view.peek())
+
+    def _closed_for_me(self, state: RdzvState) -> bool:
+        # Closed for this node: its incarnation is closed or over. A node waiting to start
+        # the run again (incarnation + 1) is not in a closed run.
+        mine = self.incarnation or state.incarnation
+        return mine < state.incarnation or (state.closed and mine == state.incarnation)
 
     @torch_errors
     def set_closed(self, reason: str = "closed by an agent", mode: CloseMode = "finished") -> None:
@@ -303,10 +365,21 @@ class EtcdRendezvousHandler(RendezvousHandler):
             known=view.snapshot(),
             on_conflict=view.offer,
             clock=self._clock,
+            # The run ended: its state goes by itself after the retention (a drain is an
+            # operator's, who keeps rdzvctl gc).
+            retention=self._settings.retention if mode in ("finished", "failed") else 0,
+            incarnation=self.incarnation,
         )
         if outcome.changed:
             view.offer_written(outcome.state, outcome.mod_revision)
             log.info("node %s closed run %s (%s)", self.node_id, self._keys.run_id, mode)
+
+    @property
+    def drain_requested(self) -> bool:
+        """Whether an operator asked this node to leave (``rdzvctl drain``), from the
+        watched view: the agent then stops its workers gracefully and exits 0."""
+        parts = self._current()
+        return parts is not None and self.node_id in parts.view.peek().draining
 
     @property
     def close_mode(self) -> CloseMode:

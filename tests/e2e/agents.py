@@ -165,9 +165,12 @@ class Agents:
         endpoint: str | None = None,
         script: Path = EXAMPLE,
         env: dict[str, str] | None = None,
+        with_run_id: bool = True,
     ) -> AgentProc:
         """Start ``etcdrun <etcdrun_args> --rdzv-endpoint=… --rdzv-id=… SCRIPT <script_args>``
-        (the example by default), with ``env`` added to this process's environment."""
+        (the example by default), with ``env`` added to this process's environment
+        (without ``--rdzv-id`` if not ``with_run_id``: put the run id in ``env`` then, so
+        that :meth:`leftovers` finds the processes)."""
         env = {**os.environ, **(env or {})}
         env.setdefault("PYTHONWARNINGS", "ignore:Failed to initialize NumPy:UserWarning")
         env["TMPDIR"] = str(self.tmp_path)
@@ -175,7 +178,7 @@ class Agents:
             str(ETCDRUN),
             *etcdrun_args,
             f"--rdzv-endpoint={endpoint or self.endpoint}",
-            f"--rdzv-id={self.run_id}",
+            *([f"--rdzv-id={self.run_id}"] if with_run_id else []),
             str(script),
             *script_args,
         ]

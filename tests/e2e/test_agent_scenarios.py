@@ -22,6 +22,7 @@ import pytest
 
 from coordinator.core.etcd_client import EtcdClient, EtcdConfig
 from coordinator.core.keys import DEFAULT_KEY_PREFIX, RunKeys
+from coordinator.core.state import RdzvState, decode_state
 from coordinator.etcd_server import EtcdCluster, free_port
 from tests.e2e.agents import (
     ETCDRUN,
@@ -100,25 +101,62 @@ def test_two_agents_of_two_workers_train_to_the_end(agents: Agents, tmp_path: Pa
     assert agents.leftovers() == []
 
 
-def test_an_agent_arriving_after_the_job_finished_gets_one_line(
-    agents: Agents, tmp_path: Path
+def _run_state(etcd: EtcdCluster, run_id: str) -> RdzvState:
+    keys = RunKeys(DEFAULT_KEY_PREFIX, run_id)
+    with EtcdClient(EtcdConfig(endpoints=tuple(etcd.endpoints))) as client:
+        kv, _ = client.get(keys.state)
+    assert kv is not None, f"no state for run {run_id}"
+    return decode_state(keys.state.decode(), kv.value)
+
+
+def test_a_job_retried_with_the_same_id_runs_again_after_a_failure_and_a_success(
+    agents: Agents, etcd1: EtcdCluster, tmp_path: Path
 ) -> None:
-    """Scenario 7."""
+    """Scenario 7, as a scheduler retries a job (same --rdzv-id): each run whose nodes
+    all left starts again as a new incarnation, whatever its ending. (The worker imports
+    no torch: what is tested is the agents' rendezvous.)"""
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import sys\nopen(sys.argv[2], 'a').write('ran\\n')\nsys.exit(int(sys.argv[1]))\n"
+    )
+    ran = tmp_path / "ran.txt"
     conf = ["--nnodes=1", "--nproc-per-node=1"]
-    first = agents.start("first", conf, _script(tmp_path, epochs=1, steps=1))
-    assert first.wait(JOB) == 0, agents.logs()
-    late = agents.start("late", conf, _script(tmp_path, epochs=1, steps=1))
-    code = late.wait(STARTED)
-    out = late.output()
-    assert code == 1, out
-    errors = [line for line in out.splitlines() if "is closed" in line]
-    assert len(errors) == 1, out
-    assert errors[0] == (
-        f"etcdrun: error: run {agents.run_id!r} is closed (the job finished: every worker "
-        "succeeded): it admits no more nodes; start a new run with another --rdzv-id"
-    ), out
-    assert "Traceback" not in out
-    assert not (tmp_path / "report.jsonl").read_text().count("\n") > 1, "the late node ran workers"
+    failing = agents.start("failing", conf, ["3", str(ran)], script=worker)
+    assert failing.wait(JOB) == 1, agents.logs()
+    assert _run_state(etcd1, agents.run_id).close_mode == "failed"
+    for n, name in ((2, "after-failure"), (3, "after-success")):
+        retry = agents.start(name, conf, ["0", str(ran)], script=worker)
+        assert retry.wait(JOB) == 0, agents.logs()
+        assert f"asking to start it again as incarnation {n}" in retry.output()
+        state = _run_state(etcd1, agents.run_id)
+        assert (state.incarnation, state.closed, state.close_mode) == (n, True, "finished")
+    assert ran.read_text() == "ran\n" * 3
+    assert agents.leftovers() == []
+
+
+def test_two_jobs_without_a_run_id_never_share_a_run(
+    agents: Agents, etcd1: EtcdCluster, tmp_path: Path
+) -> None:
+    """Without --rdzv-id a multi-node job is refused at once (exit 2, nothing written).
+    (Under Slurm each job takes its own id from SLURM_JOB_ID: tests/unit/test_cli.py.)"""
+    conf = ["--nnodes=2", "--nproc-per-node=1"]
+    bare = {"SLURM_JOB_ID": "", "SLURM_STEP_ID": "", "PET_RDZV_ID": "", "TAG": agents.run_id}
+    refused = [
+        agents.start(f"bare-{i}", conf, _script(tmp_path), env=bare, with_run_id=False)
+        for i in range(2)
+    ]
+    for agent in refused:
+        assert agent.wait(STARTED) == 2, agents.logs()
+        assert (
+            agent.output()
+            .strip()
+            .splitlines()[-1]
+            .startswith("etcdrun: error: --rdzv-id: missing; a job of up to 2 nodes needs a run id")
+        ), agent.output()
+    with EtcdClient(EtcdConfig(endpoints=tuple(etcd1.endpoints))) as client:
+        kvs, _ = client.get_prefix(f"{DEFAULT_KEY_PREFIX}/none/".encode())
+    assert kvs == [], "a refused agent wrote to etcd"
+    assert agents.leftovers() == []
 
 
 def test_misuse_exits_2_at_once_without_any_etcd(tmp_path: Path) -> None:
@@ -329,7 +367,8 @@ def test_restarts_exhausted_every_agent_fails_naming_the_rank(
         closer = re.fullmatch(
             rf"etcdrun: error: run '{agents.run_id}' is closed \(node \d \(.+\) gave up "
             r"after 1 restart: rank (\d) failed: (.+)\): it admits no more "
-            "nodes; start a new run with another --rdzv-id",
+            r"nodes; start the job again \(same --rdzv-id\) once every node of this run "
+            "has left",
             lines[0],
         )
         assert closer is not None, lines[0]

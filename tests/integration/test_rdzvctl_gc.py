@@ -11,7 +11,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
 from coordinator.core.etcd_client import EtcdClient
 from coordinator.core.keys import RunKeys
-from coordinator.core.state import NodeInfo, encode_node
+from coordinator.core.state import NodeInfo, decode_state, encode_node
 from coordinator.etcd_server import EtcdCluster
 from coordinator.rdzvctl.model import read_run
 from coordinator.rdzvctl.ops import collect_run
@@ -44,13 +44,14 @@ def test_close_ends_the_run_for_handlers_and_late_joiners(
     assert (code, err) == (0, "")
     assert out == (
         f"run {run_id} closed (maintenance window): its agents finish their current attempt "
-        "and exit 0; nobody may join again\n"
+        "and exit 0; no node joins it again (once all have left, the same run id starts a "
+        "new incarnation)\n"
     )
     wait_until(lambda: all(h.is_closed() for h in handlers), 10, "every handler to see it")
-    late = handler(etcd1, run_id, 2, 2)
-    handlers.append(late)
+    # A node of the run that re-rendezvouses learns it is closed (a newcomer would wait
+    # for these nodes to leave, then start the run again: test_run_lifecycle.py).
     with pytest.raises(RendezvousClosedError, match=r"is closed \(maintenance window\)"):
-        late.next_rendezvous()
+        handlers[0].next_rendezvous()
     data = ctl_json(capsys, etcd1, "close", run_id)
     assert data == {
         "run_id": run_id, "closed": True, "changed": False,
@@ -198,14 +199,18 @@ def test_gc_spares_a_run_whose_node_joins_during_collection(
         )  # fmt: skip
         assert client.get(keys.node("arriving"))[0] is not None  # node keys are never deleted
         assert client.get(keys.store_key(1, "x"))[0] is None  # the store went with the close
-        # A node that joins now learns at once that the run is closed, with gc's reason.
-        newcomer = handler(etcd1, "job", 2, 2, prefix)
+        # A node that joins now asks to start the run again, and waits while a node of
+        # the closed run is alive.
+        newcomer = handler(etcd1, "job", 1, 1, prefix)
         handlers.append(newcomer)
-        error = Joins([newcomer]).start().wait(30)[0].error
+        joins = Joins([newcomer]).start()
+        time.sleep(0.5)
+        assert joins.outcomes == {}
     finally:
         client.lease_revoke(lease)
-    assert isinstance(error, RendezvousClosedError)
-    assert "garbage-collected by rdzvctl gc" in str(error)
+    assert joins.infos(30)[0].rank == 0
+    kv = client.get(keys.state)[0]
+    assert kv is not None and decode_state(keys.state.decode(), kv.value).incarnation == 2
 
 
 def test_gc_that_races_a_joining_node_never_removes_its_run(

@@ -144,13 +144,13 @@ def test_closed_run_refuses_new_nodes(
     handlers[0].set_closed()
     closed = _changed_event(handlers[1], lambda h: h.is_closed())
     assert closed.wait(10)
-    newcomer = make_handler(etcd1, run_id, 2, 2)
-    handlers.append(newcomer)
+    # A node of the closed run that re-rendezvouses (a newcomer would wait for these
+    # nodes to leave, then start the run again: test_run_lifecycle.py).
     with pytest.raises(RendezvousClosedError) as err:
-        newcomer.next_rendezvous()
+        handlers[1].next_rendezvous()
     assert str(err.value) == (
-        f"run {run_id!r} is closed (closed by an agent): it admits no more nodes; "
-        "start a new run with another --rdzv-id"
+        f"run {run_id!r} is closed (closed by an agent): it admits no more nodes; start the "
+        "job again (same --rdzv-id) once every node of this run has left"
     )
 
 

@@ -28,6 +28,7 @@ from coordinator.core.transitions import (
     close,
     decide_coordinator,
     decide_node,
+    incarnation_to_join,
 )
 
 Fence: TypeAlias = tuple[str, int]
@@ -48,6 +49,8 @@ class Agent:
     join_deadline: float = math.inf
     lease_lost: bool = False
     finished_round: int = 0
+    # The run's incarnation this node belongs to (0: it has not asked yet).
+    run_incarnation: int = 0
 
 
 @dataclass
@@ -75,13 +78,14 @@ class World:
 
     # -- etcd stand-in --------------------------------------------------------------------
 
-    def put_node(self, node_id: str, wanted: int) -> None:
+    def put_node(self, node_id: str, wanted: int, incarnation: int = 1) -> None:
         self.revision += 1
         old = self.keys.get(node_id)
         created = old.create_revision if old is not None else self.revision
         self.keys[node_id] = NodeInfo(
-            node_id, wanted, addr=node_id, free_port=20000 + created, create_revision=created
-        )
+            node_id, wanted, addr=node_id, free_port=20000 + created,
+            create_revision=created, incarnation=incarnation,
+        )  # fmt: skip
 
     def elected(self) -> Fence | None:
         """The key a coordinator elected now leads with: the oldest live one (etcd's
@@ -139,11 +143,15 @@ class World:
         if agent.wanted and agent.lease_lost:
             agent.wanted = 0  # our key is gone: ask again with a new lease
         state = self.state
-        action = decide_node(state, agent.node_id, agent.wanted, self.now, agent.join_deadline)
+        action = decide_node(
+            state, agent.node_id, agent.wanted, self.now, agent.join_deadline,
+            agent.run_incarnation,
+        )  # fmt: skip
         if action is NodeAction.JOIN:
             agent.wanted = state.round + 1
             agent.lease_lost = False
-            self.put_node(agent.node_id, agent.wanted)
+            agent.run_incarnation = agent.run_incarnation or incarnation_to_join(state)
+            self.put_node(agent.node_id, agent.wanted, agent.run_incarnation)
         elif action is NodeAction.SYNC:
             assert agent.wanted == state.round + 1, (agent, state)
         elif action is NodeAction.FINISH:
@@ -155,9 +163,14 @@ class World:
             assert rank not in per_round.values(), "two nodes got the same rank"
             per_round[agent.node_id] = rank
             agent.in_call, agent.finished_round = False, state.round
-        elif action is NodeAction.ERROR_CLOSED:
-            assert state.closed
+        elif action in (NodeAction.ERROR_CLOSED, NodeAction.EXIT_GRACEFULLY):
+            assert state.closed and agent.run_incarnation == state.incarnation
+            graceful = state.rank_of(agent.node_id) is None and state.close_mode != "failed"
+            assert graceful == (action is NodeAction.EXIT_GRACEFULLY), (agent, state)
             agent.in_call = False
+        elif action is NodeAction.ERROR_SUPERSEDED:
+            assert agent.run_incarnation != incarnation_to_join(state)
+            self.leave(slot)
         else:  # ERROR_TIMEOUT: the handler leaves (revokes its lease) and raises
             assert self.now >= agent.join_deadline
             self.leave(slot)
@@ -240,6 +253,12 @@ def check_commit(
     # Storable: decode_state refuses duplicate participants and ranks other than 0..n-1.
     assert decode_state("state", encode_state(new)) == new
     assert len(set(new.participants)) == len(new.participants)
+    if new.incarnation != old.incarnation:
+        # A new incarnation: only after a close, only once every live node asks for it.
+        assert old.closed and new.incarnation == old.incarnation + 1, (old, new)
+        assert seen and all(n.incarnation == new.incarnation for n in seen.values()), seen
+        assert (new.round, new.participants, new.closed) == (old.round, (), False), new
+        return
     assert old.closed <= new.closed, "a closed run re-opened"
     assert new.round in (old.round, old.round + 1), (old.round, new.round)
     assert set(new.lost) <= set(new.participants)

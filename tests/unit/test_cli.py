@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KNOWN_KEYS = (
     "ca_cert, close_timeout, is_host, join_timeout, keep_alive_interval, "
     "keep_alive_max_attempt, key_prefix, last_call_timeout, lease_ttl, password, password_file, "
-    "protocol, rank, read_timeout, ssl_cert, ssl_cert_key, store_type, timeout, user"
+    "protocol, rank, read_timeout, retention, ssl_cert, ssl_cert_key, store_type, timeout, user"
 )
 REDIRECT_HINT = (
     "give e.g. 3 (stdout and stderr of every worker) or 0:1,1:2 (stdout of rank 0, stderr "
@@ -229,7 +230,9 @@ def test_script_arguments_are_passed_untouched() -> None:
 
 def test_rdzv_conf_pairs_are_trimmed_and_kept_as_strings() -> None:
     conf = " join_timeout = 60 ,last_call_timeout=5,,key_prefix=/jobs"
-    config = _parse(["--nnodes=2", "--rdzv-endpoint=h", "--rdzv-conf", conf, "train.py"])
+    config = _parse(
+        ["--nnodes=2", "--rdzv-endpoint=h", "--rdzv-id=j", "--rdzv-conf", conf, "train.py"]
+    )
     assert config.rdzv_conf == {
         "join_timeout": "60",
         "last_call_timeout": "5",
@@ -301,7 +304,7 @@ def test_main_starts_embedded_etcd_for_standalone_and_returns_the_agent_code(
 
 
 def test_main_uses_the_given_endpoint(started: list[str]) -> None:
-    assert main(["--nnodes=1:2", "--rdzv-endpoint=e1:2379", "train.py"]) == 7
+    assert main(["--nnodes=1:2", "--rdzv-endpoint=e1:2379", "--rdzv-id=j", "train.py"]) == 7
     assert started == ["launch e1:2379"]
 
 
@@ -327,3 +330,53 @@ def test_standalone_without_an_etcd_binary_is_one_line_and_exit_code_1(
         "executable file; point it at an etcd server binary\n"
     )
     assert launched == []
+
+
+# -- run ids -------------------------------------------------------------------------------
+
+
+def test_a_multi_node_job_without_a_run_id_is_refused_before_anything_starts(
+    started: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two unrelated jobs without an id would share run 'none': refused (exit 2)."""
+    for name in ("SLURM_JOB_ID", "SLURM_STEP_ID", "PET_RDZV_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for argv in (["--nnodes=2"], ["--nnodes=1:4", "--rdzv-id=none"], ["--nnodes=2", "--rdzv-id="]):
+        with pytest.raises(SystemExit) as info:
+            main([*argv, "--rdzv-endpoint=e1:2379", "train.py"])
+        assert info.value.code == 2
+        maximum = argv[0].rsplit(":", 1)[-1].removeprefix("--nnodes=")
+        assert capsys.readouterr().err == (
+            f"etcdrun: error: --rdzv-id: missing; a job of up to {maximum} nodes needs a run "
+            "id that all its nodes share and no other job uses (two jobs without one would "
+            "share a run): give e.g. --rdzv-id=job42 (under Slurm, SLURM_JOB_ID gives one)\n"
+        )
+    assert started == []
+
+
+def test_a_run_id_comes_from_slurm_or_is_random_for_one_node() -> None:
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "3"}
+    argv = ["--nnodes=2", "--rdzv-endpoint=h", "train.py"]
+    assert _parse(argv, environ=slurm).rdzv_id == "slurm-4242.3"
+    assert _parse(argv, environ={"SLURM_JOB_ID": "4242"}).rdzv_id == "slurm-4242"
+    assert _parse([*argv[:-1], "--rdzv-id=mine", "train.py"], environ=slurm).rdzv_id == "mine"
+    assert _parse(argv, environ={"PET_RDZV_ID": "from-pet"}).rdzv_id == "from-pet"
+    one = _parse(["--nnodes=1", "--rdzv-endpoint=h", "train.py"], environ={})
+    two = _parse(["--nnodes=1", "--rdzv-endpoint=h", "train.py"], environ={})
+    assert one.rdzv_id != two.rdzv_id and len(one.rdzv_id) == 36
+    assert cli.scheduler_run_id({"SLURM_JOB_ID": "x/y"}) is None  # not a valid run id
+
+
+def test_drain_signal_takes_a_name_or_a_number(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--nnodes=2", "--rdzv-endpoint=h", "--rdzv-id=j"]
+    assert _parse([*base, "train.py"]).drain_signal is None
+    assert _parse([*base, "--drain-signal=SIGUSR1", "train.py"]).drain_signal is signal.SIGUSR1
+    assert _parse([*base, "--drain-signal", "usr2", "train.py"]).drain_signal is signal.SIGUSR2
+    assert _parse([*base, "--drain_signal=10", "train.py"]).drain_signal is signal.SIGUSR1
+    with pytest.raises(SystemExit) as info:
+        _parse([*base, "--drain-signal=SIGNOPE", "train.py"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (
+        "etcdrun: error: --drain-signal: 'SIGNOPE' is not a signal; give a name such as "
+        "SIGUSR1 or USR1, or a number\n"
+    )

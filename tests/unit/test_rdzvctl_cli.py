@@ -27,7 +27,7 @@ def error_of(
     return err.rstrip("\n")
 
 
-COMMANDS = "status, watch, list, close, gc"
+COMMANDS = "status, watch, list, close, drain, gc"
 ID_RULE = "use 1-128 characters from A-Z a-z 0-9 . _ - starting with a letter or digit"
 
 
@@ -89,6 +89,12 @@ ID_RULE = "use 1-128 characters from A-Z a-z 0-9 . _ - starting with a letter or
         (
             ["close", "x", "--reason", "  "],
             "--reason: is empty: say why the run ends, or leave it out",
+        ),
+        (["drain", "x"], "NODE: missing; see rdzvctl drain --help"),
+        (
+            ["drain", "x", "bad/node"],
+            "NODE: 'bad/node' is invalid: use 1-128 characters from A-Z a-z 0-9 . _ - "
+            "starting with a letter or digit",
         ),
         (["gc"], "--older-than: missing; see rdzvctl gc --help"),
         (

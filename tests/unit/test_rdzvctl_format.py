@@ -3,6 +3,7 @@ gc's verdicts."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 
@@ -17,6 +18,7 @@ from coordinator.rdzvctl.format import (
     gc_lines,
     list_json,
     list_lines,
+    node_status,
     status_json,
     status_lines,
     table,
@@ -65,6 +67,7 @@ def test_status_lines() -> None:
         "run:             demo (key prefix /etcd-elastic, etcd revision 40)",
         "state:           complete, round 1 completed 2026-11-20 14:02:11 (2m05s ago), "
         "state last written by a-1-0",
+        "incarnation:     1",
         "closed:          no",
         "master:          10.0.0.1:29500",
         "participants:    3 in round 1",
@@ -73,8 +76,9 @@ def test_status_lines() -> None:
         "  1     b-2-0  10.0.0.2  host2     100  2        4s          1",
         "  2     c-3-0  -         -         -    -        gone        -",
         "wait list:       d-4-0",
-        "redundancy list: -",
+        "spares:          -",
         "lost:            c-3-0",
+        "draining:        -",
         "nodes alive:     3",
         "  NODE   ASKS FOR ROUND  IS       LEASE (hex)  LEASE LEFT  ROLE",
         "  a-1-0  1               rank 0   1001         4s          default",
@@ -88,7 +92,8 @@ def test_status_lines_closed_and_forming() -> None:
     closed = RdzvState(round=2, closed=True, closed_reason="maintenance", participants=("a",))
     lines = status_lines(snap(closed), NOW, UTC)
     assert lines[1] == "state:           closed, round 2 completed unknown"
-    assert lines[2] == "closed:          yes: maintenance"
+    assert lines[2] == "incarnation:     1"
+    assert lines[3] == "closed:          yes: maintenance"
     forming = status_lines(snap(None, (node("a-1-0", 1, rev=1, ttl=None),)), NOW, UTC)
     assert forming[1] == "state:           forming, no round completed yet, round 1 has 1 joiner(s)"
     assert "  a-1-0  1               joining  1001         ?           default" in forming
@@ -108,7 +113,7 @@ def test_status_json_is_complete_and_serialisable() -> None:
     assert data["redundancy_list"] == ["b-2-0"]
     assert [(n["node_id"], n["status"]) for n in data["nodes"]] == [
         ("a-1-0", "rank 0"),
-        ("b-2-0", "redundant"),
+        ("b-2-0", "spare"),
     ]
     assert data["nodes"][0]["lease_id_hex"] == "1001"
 
@@ -140,7 +145,7 @@ def test_status_of_an_unreadable_state_shows_only_what_etcd_holds() -> None:
     assert data["phase"] == "unreadable"
     unknown = ("round", "closed", "closed_reason", "completed_at_unix_ms", "written_by",
                "master_addr", "master_port", "participants", "wait_list", "redundancy_list",
-               "lost", "joining")  # fmt: skip
+               "lost", "draining", "joining")  # fmt: skip
     assert {k: data[k] for k in unknown} == dict.fromkeys(unknown)
     assert [(n["node_id"], n["status"]) for n in data["nodes"]] == [("a-1-0", "unknown")]
     assert data["unreadable_keys"] == ["/etcd-elastic/demo/state"]
@@ -159,6 +164,24 @@ def test_status_names_a_node_key_that_does_not_decode() -> None:
     assert status_json(snapshot)["round"] == 1
 
 
+def test_status_shows_the_incarnation_and_the_nodes_starting_the_run_again() -> None:
+    ended = RdzvState(round=2, closed=True, closed_reason="done", incarnation=3)
+    retry, stale = node("r-7-0", 3, rev=12), node("s-8-0", 3, rev=13)
+    nodes = (
+        dataclasses.replace(retry, info=dataclasses.replace(retry.info, incarnation=4)),
+        dataclasses.replace(stale, info=dataclasses.replace(stale.info, incarnation=2)),
+    )
+    snapshot = snap(ended, nodes)
+    lines = status_lines(snapshot, NOW, UTC)
+    assert "incarnation:     3" in lines
+    assert node_status(snapshot, "r-7-0") == "starting it again"
+    assert node_status(snapshot, "s-8-0") == "of incarnation 2"
+    assert status_json(snapshot)["incarnation"] == 3
+    started = RdzvState(round=2, incarnation=4)
+    assert phase(snap(started, nodes[:1])) == "forming"
+    assert list_json([snap(started)], "/etcd-elastic", [])["runs"][0]["incarnation"] == 4
+
+
 # -- list and gc ---------------------------------------------------------------------
 
 
@@ -174,9 +197,9 @@ def test_list_lines_and_json() -> None:
     )
     lines = list_lines([snap(ROUND1, LIVE), other], "/etcd-elastic")
     assert lines == [
-        "RUN   PHASE     ROUND  PARTICIPANTS  ALIVE  WAITING  LOST  CLOSED",
-        "demo  complete  1      3             3      0        0     no",
-        "old   closed    3      0             0      0        0     yes: done",
+        "RUN   PHASE     INCARNATION  ROUND  PARTICIPANTS  ALIVE  WAITING  LOST  CLOSED",
+        "demo  complete  1            1      3             3      0        0     no",
+        "old   closed    1            3      0             0      0        0     yes: done",
     ]
     assert list_lines([], "/x") == ["no runs under /x/"]
     data = list_json([other], "/etcd-elastic", ["/etcd-elastic/junk"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from coordinator.core.etcd_client import KeyValue, WatchEvent
 from coordinator.core.state import NodeInfo, RdzvState, encode_node, encode_state
 from coordinator.rdzvctl.watch import Change, Tracker, diff_states
@@ -100,3 +102,11 @@ def test_tracker_resync_summarises_what_was_missed() -> None:
     assert texts(tracker.apply([put_node("d-4-0", 1, 91)])) == [
         "node d-4-0 joined (asks for round 1)"
     ]
+
+
+def test_diff_states_names_a_new_incarnation_and_a_drain() -> None:
+    ended = dataclasses.replace(ROUND1, closed=True, closed_reason="done")
+    again = RdzvState(round=ROUND1.round, incarnation=2)
+    assert texts(diff_states(ended, again, 8)) == ["run started again as incarnation 2 (round 1)"]
+    asked = dataclasses.replace(ROUND1, draining=("b",))
+    assert texts(diff_states(ROUND1, asked, 9)) == ["node b asked to leave (drain)"]

@@ -139,9 +139,27 @@ def test_rendezvous_is_safe_and_live(
         event("closed")
         # Every node inside next_rendezvous fails at its next turn, whatever it waited for.
         for slot in sorted(world.agents):
+            fresh = world.agents[slot].run_incarnation in (0, world.state.incarnation + 1)
             action = world.node_step(slot)
-            assert action in (None, NodeAction.ERROR_CLOSED), action
-        assert not world.coordinator_step(), "a coordinator changed a closed run"
+            # A node of the closed incarnation fails; one that has not asked yet asks to
+            # start the run again, and waits while nodes of the old one are alive.
+            allowed = (
+                (NodeAction.JOIN, NodeAction.SYNC)
+                if fresh
+                else (NodeAction.ERROR_CLOSED, NodeAction.EXIT_GRACEFULLY)
+            )
+            assert action is None or action in allowed, action
+        old_incarnation = world.state.incarnation
+        fresh_only = bool(world.keys) and all(
+            n.incarnation == old_incarnation + 1 for n in world.keys.values()
+        )
+        if not fresh_only:
+            assert not world.coordinator_step(), "a coordinator changed a closed run"
+            return
+        # Only nodes that asked after the close are left: the run starts again.
+        event("started again")
+        assert world.coordinator_step()
+        assert (world.state.incarnation, world.state.closed) == (old_incarnation + 1, False)
         return
     if set(world.state.participants) - set(world.keys):
         event("a participant's key is gone before the calm period")

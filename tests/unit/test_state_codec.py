@@ -93,7 +93,8 @@ def test_zero_values_are_written() -> None:
 def test_encoded_state_is_readable_json_with_field_names() -> None:
     raw = encode_state(_FULL_STATE)
     doc = json.loads(raw.decode("utf-8"))
-    assert doc["schema_version"] == SCHEMA_VERSION == 1
+    assert doc["schema_version"] == SCHEMA_VERSION == 2
+    assert doc["incarnation"] == "1"
     # protobuf's JSON mapping writes int64 as a string; zero values are written too
     # (rank 0, "closed": false), so an operator reading etcdctl output sees every field.
     assert doc["round"] == "7"
@@ -117,7 +118,7 @@ def test_encoded_state_is_readable_json_with_field_names() -> None:
 def test_encoded_node_is_readable_json_with_field_names() -> None:
     doc = json.loads(encode_node(_FULL_NODE).decode("utf-8"))
     assert doc == {
-        "schema_version": 1,
+        "schema_version": 2,
         "node_id": "host-a-100-0",
         "addr": "10.0.0.1",
         "hostname": "host-a",
@@ -128,7 +129,18 @@ def test_encoded_node_is_readable_json_with_field_names() -> None:
         "lease_id": str(0x7FFF_FFFF_FFFF_FFFF),
         "started_at_unix_ms": "1700000000000",
         "free_port": 29500,
+        "incarnation": "1",
     }
+
+
+def test_values_of_schema_version_1_are_incarnation_1() -> None:
+    """Written before incarnations existed: no field, read as the first incarnation."""
+    state = decode_state(KEY, _json({"schema_version": 1, "round": "3", "closed": True}))
+    assert (state.round, state.closed, state.incarnation) == (3, True, 1)
+    node = decode_node(NODE_KEY, _json({"schema_version": 1, "node_id": "a", "wanted_round": "4"}))
+    assert node.incarnation == 1
+    again = RdzvState(round=3, incarnation=7)
+    assert decode_state(KEY, encode_state(again)).incarnation == 7
 
 
 # --- refusals ----------------------------------------------------------------------------
@@ -181,8 +193,8 @@ STATE_REFUSALS: list[tuple[str, bytes, str]] = [
      "no schema_version: not written by etcd-elastic"),
     ("schema_version 0", _json({"schema_version": 0, "round": "3"}),
      "no schema_version: not written by etcd-elastic"),
-    ("newer schema_version", _json({"schema_version": 2, "round": "3"}),
-     "schema_version 2 is newer than this etcd-elastic understands (1); "
+    ("newer schema_version", _json({"schema_version": 3, "round": "3"}),
+     "schema_version 3 is newer than this etcd-elastic understands (2); "
      "upgrade every agent of the run"),
     ("ranks not from 0", _json({"schema_version": 1, "round": "1",
      "participants": [{"node_id": "a", "rank": 1}, {"node_id": "b", "rank": 2}]}),
@@ -194,6 +206,8 @@ STATE_REFUSALS: list[tuple[str, bytes, str]] = [
      "participants": [{"node_id": "a"}, {"node_id": "b"}]}),
      "participant ranks [0, 0] are not 0..1"),
     ("negative round", _json({"schema_version": 1, "round": "-1"}), "negative round -1"),
+    ("negative incarnation", _json({"schema_version": 2, "incarnation": "-1"}),
+     "negative incarnation -1"),
     ("round at the int64 limit", _json({"schema_version": 1, "round": str(2**63 - 1)}),
      "round 9223372036854775807 is out of range: the next round would not fit int64"),
     ("master_port above 65535", _json({"schema_version": 1, "master_port": 70000}),
@@ -259,7 +273,7 @@ NODE_REFUSALS: list[tuple[str, bytes, str]] = [
     ("no schema_version", _json({"node_id": "a", "wanted_round": "1"}),
      "no schema_version: not written by etcd-elastic"),
     ("newer schema_version", _json({"schema_version": 9, "node_id": "a"}),
-     "schema_version 9 is newer than this etcd-elastic understands (1); "
+     "schema_version 9 is newer than this etcd-elastic understands (2); "
      "upgrade every agent of the run"),
     ("negative wanted_round", _json({"schema_version": 1, "wanted_round": "-2"}),
      "negative wanted_round -2"),

@@ -8,6 +8,7 @@ deadline, wake-up time), so a change in any part of it shows up here.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -23,6 +24,8 @@ from coordinator.core.transitions import (
     close,
     decide_coordinator,
     decide_node,
+    drain,
+    incarnation_to_join,
 )
 
 K = ActionKind
@@ -124,7 +127,9 @@ NODE_CASES: list[tuple[str, RdzvState, str, int, float, NodeAction]] = [
 def test_decide_node(
     state: RdzvState, node_id: str, wanted: int, now: float, expected: NodeAction
 ) -> None:
-    assert decide_node(state, node_id, wanted, now, join_deadline=100.0) is expected
+    # Every node here belongs to the state's incarnation (it asked before).
+    got = decide_node(state, node_id, wanted, now, join_deadline=100.0, incarnation=1)
+    assert got is expected
 
 
 def test_spare_in_redundancy_list_of_full_round_does_not_time_out() -> None:
@@ -367,3 +372,155 @@ def test_close_is_idempotent() -> None:
 )
 def test_num_waiting(state: RdzvState, expected: int) -> None:
     assert state.num_waiting == expected
+
+
+# --- incarnations: a run started again with the same id -----------------------------------
+
+_ENDED = RdzvState(round=3, participants=("a", "b"), closed=True, closed_reason="done")
+
+
+def _of(incarnation: int, nodes: dict[str, NodeInfo]) -> dict[str, NodeInfo]:
+    return {k: dataclasses.replace(n, incarnation=incarnation) for k, n in nodes.items()}
+
+
+@pytest.mark.parametrize(
+    ("state", "incarnation", "wanted", "now", "expected"),
+    [
+        (_ENDED, 0, 0, 0.0, NodeAction.JOIN),  # a retry asks for incarnation 2...
+        (_ENDED, 2, 4, 0.0, NodeAction.SYNC),  # ...and waits while the old nodes leave
+        (_ENDED, 2, 4, 100.0, NodeAction.ERROR_TIMEOUT),  # bounded by join_timeout
+        (_ENDED, 1, 3, 0.0, NodeAction.ERROR_CLOSED),  # a node of the closed incarnation
+        (_ENDED, 1, 0, 0.0, NodeAction.ERROR_CLOSED),
+        (RdzvState(round=3, incarnation=2), 1, 0, 0.0, NodeAction.ERROR_SUPERSEDED),
+        (RdzvState(round=3, incarnation=2), 1, 4, 0.0, NodeAction.ERROR_SUPERSEDED),
+        (RdzvState(round=3, incarnation=2), 3, 4, 0.0, NodeAction.ERROR_SUPERSEDED),  # reset
+        (RdzvState(round=3, incarnation=2), 2, 4, 0.0, NodeAction.SYNC),
+        (RdzvState(round=3, incarnation=2), 0, 0, 0.0, NodeAction.JOIN),
+    ],
+)
+def test_decide_node_by_incarnation(
+    state: RdzvState, incarnation: int, wanted: int, now: float, expected: NodeAction
+) -> None:
+    assert decide_node(state, "c", wanted, now, 100.0, incarnation) is expected
+
+
+def test_a_node_joins_the_open_incarnation_or_the_next_one_of_a_closed_run() -> None:
+    assert incarnation_to_join(RdzvState(round=3, incarnation=2)) == 2
+    assert incarnation_to_join(_ENDED) == 2
+
+
+def test_a_closed_run_starts_again_only_when_every_live_node_asks_for_the_next() -> None:
+    fresh = _of(2, _nodes(4, "cd"))
+    assert decide_coordinator(_ENDED, {}, LIM, 0.0, None) == _done()
+    # A node of the closed incarnation is still shutting down: nothing yet.
+    assert decide_coordinator(_ENDED, {**fresh, **_of(1, _nodes(3, "a"))}, LIM, 0.0, None) == (
+        _done()
+    )
+    assert decide_coordinator(_ENDED, fresh, LIM, 0.0, None) == _done(Action(K.START_INCARNATION))
+    started = apply(_ENDED, [Action(K.START_INCARNATION)], written_by="c", now_unix_ms=5)
+    assert started == RdzvState(round=3, incarnation=2, written_by="c")
+    # The new incarnation forms from its own nodes (rounds go on from 3); a late node of
+    # incarnation 1 is not one of them.
+    late = _of(1, _nodes(4, "x"))
+    decision = decide_coordinator(started, {**fresh, **late}, LIM, 0.0, None)
+    assert decision == _wait(10.0)
+    assert decide_coordinator(started, {**fresh, **late}, LIM, 10.0, 10.0) == _done(_complete("cd"))
+
+
+def test_nodes_of_another_incarnation_are_not_counted_alive() -> None:
+    running = RdzvState(round=3, participants=("a", "b"), incarnation=2)
+    nodes = {**_of(2, _nodes(3, "a")), **_of(1, _nodes(3, "b"))}
+    decision = decide_coordinator(running, nodes, LIM, 0.0, None)
+    assert decision == _done(_act(K.REMOVE_FROM_PARTICIPANTS, "b"))
+
+
+def test_a_node_closes_only_its_own_incarnation() -> None:
+    running = RdzvState(round=3, participants=("a",), incarnation=2)
+    assert close(running, "late", "finished", incarnation=1) == ()
+    assert close(running, "mine", "failed", incarnation=2) == (
+        Action(K.MARK_RENDEZVOUS_CLOSED, reason="mine", mode="failed"),
+    )
+
+
+# --- spares and waiting nodes at the end of a job ------------------------------------------
+
+_FULL = RdzvState(round=2, participants=("a", "b"), redundancy_list=("c",))
+
+
+@pytest.mark.parametrize(
+    ("state", "wanted", "now", "expected"),
+    [
+        (_FULL, 3, 500.0, NodeAction.SYNC),  # listed: no deadline
+        # A round completed without it (still listed): it asks for the next, no timeout.
+        (dataclasses.replace(_FULL, round=3), 3, 500.0, NodeAction.JOIN),
+        (dataclasses.replace(_FULL, redundancy_list=()), 3, 500.0, NodeAction.ERROR_TIMEOUT),
+    ],
+)
+def test_a_listed_spare_has_no_deadline(
+    state: RdzvState, wanted: int, now: float, expected: NodeAction
+) -> None:
+    assert decide_node(state, "c", wanted, now, 100.0, 1) is expected
+
+
+@pytest.mark.parametrize(
+    ("mode", "node", "expected"),
+    [
+        ("finished", "c", NodeAction.EXIT_GRACEFULLY),  # a spare at the job's end
+        ("drain", "c", NodeAction.EXIT_GRACEFULLY),
+        ("finished", "d", NodeAction.EXIT_GRACEFULLY),  # wait-listed, or joining
+        ("failed", "c", NodeAction.ERROR_CLOSED),  # the job failed: so does it
+        ("finished", "a", NodeAction.ERROR_CLOSED),  # a participant re-rendezvousing
+    ],
+)
+def test_a_node_outside_the_round_ends_gracefully_when_the_job_ends(
+    mode: str, node: str, expected: NodeAction
+) -> None:
+    ended = dataclasses.replace(_FULL, closed=True, close_mode=mode, wait_list=("d",))
+    assert decide_node(ended, node, 3, 0.0, 100.0, 1) is expected
+
+
+def test_a_spare_does_not_take_the_place_of_a_live_participant_that_is_slower_to_rejoin() -> None:
+    lim = Limits(min_nodes=2, max_nodes=2, last_call_timeout=10.0)
+    running = RdzvState(round=1, participants=("a", "b"), redundancy_list=("c",))
+    # a restarts first; c (the spare) asks for round 2 too: b is alive, so it is waited for.
+    first = decide_coordinator(running, _nodes(2, "ac", b=1), lim, 0.0, None)
+    assert first == _wait(10.0, _act(K.ADD_TO_WAIT_LIST, "a"))
+    # b comes back: the round completes with the participants, c stays a spare.
+    assert decide_coordinator(running, _nodes(2, "abc"), lim, 1.0, 10.0) == _done(
+        _complete("ab", "c")
+    )
+    # b never comes back (alive, but stuck): last call ends and c takes its place.
+    assert decide_coordinator(running, _nodes(2, "ac", b=1), lim, 10.0, 10.0) == _done(
+        _complete("ac")
+    )
+    # b's key is gone (lost): c takes its place at once.
+    assert decide_coordinator(running, _nodes(2, "ac"), lim, 0.0, None) == _done(_complete("ac"))
+
+
+# --- drain: an operator asks one node to leave -----------------------------------------------
+
+
+def test_a_drained_node_leaves_and_the_others_reform_without_it() -> None:
+    running = RdzvState(round=1, participants=("a", "b", "c"))
+    assert drain(running, "b") == (Action(K.ADD_TO_DRAINING, ("b",)),)
+    asked = apply(running, drain(running, "b"))
+    assert asked.draining == ("b",) and drain(asked, "b") == ()
+    # Its agent learns it from the state (so do the others: it counts as waiting).
+    assert decide_node(asked, "b", 0, 0.0, 100.0, 1) is NodeAction.EXIT_GRACEFULLY
+    assert asked.num_waiting == 1
+    # The coordinator counts it out at once: lost for this round, never a joiner again.
+    assert decide_coordinator(asked, _nodes(1, "abc"), LIM, 0.0, None) == _done(
+        _act(K.REMOVE_FROM_PARTICIPANTS, "b")
+    )
+    lost = apply(asked, [_act(K.REMOVE_FROM_PARTICIPANTS, "b")])
+    assert lost.num_waiting == 1  # not counted twice
+    assert decide_coordinator(lost, _nodes(2, "acb"), LIM, 0.0, None) == _done(_complete("ac"))
+    # Once its key is gone it leaves the list.
+    done = apply(lost, [_complete("ac")])
+    assert decide_coordinator(done, _nodes(2, "ac"), LIM, 0.0, None) == _done(
+        _act(K.REMOVE_FROM_DRAINING, "b")
+    )
+    forming = RdzvState(draining=("x",))
+    assert decide_coordinator(forming, _nodes(1, "a"), LIM, 0.0, None) == _done(
+        _act(K.REMOVE_FROM_DRAINING, "x")
+    )
