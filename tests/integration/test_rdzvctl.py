@@ -164,11 +164,11 @@ def test_list_shows_every_run_and_goes_on_past_a_corrupt_one(
     code, out, err = ctl(capsys, etcd1, "list", "--key-prefix", prefix)
     assert code == 0
     assert out.splitlines() == [
-        "RUN       PHASE       ROUND  PARTICIPANTS  ALIVE  WAITING  LOST  CLOSED",
-        "broken    unreadable  0      0             0      0        0     no",
-        "finished  closed      1      1             0      0        0     "
+        "RUN       PHASE       INCARNATION  ROUND  PARTICIPANTS  ALIVE  WAITING  LOST  CLOSED",
+        "broken    unreadable  1            0      0             0      0        0     no",
+        "finished  closed      1            1      1             0      0        0     "
         "yes: shutdown by an agent",
-        "live      complete    1      2             2      0        0     no",
+        "live      complete    1            1      2             2      0        0     no",
     ]
     assert err.splitlines()[0].startswith(
         f"rdzvctl: warning: corrupt value at etcd key '{prefix}/broken/state': not a "
