@@ -121,8 +121,11 @@ def init_distributed(backend: str, rank: int, world_size: int, restart: int) -> 
         return
     # torchrun's agent store outlives a restart, and plain env:// init would read the
     # previous attempt's gloo addresses from it (connection refused). A prefix per
-    # attempt keeps attempts apart; a restart after a membership change keeps the
-    # restart count, which is torch's agent's concern, not this script's.
+    # attempt keeps attempts apart. It must be the same on every node: etcdrun's round
+    # number is (etcdrun hosts a new store per round anyway); the restart count is not
+    # (a node whose worker failed counts a restart, the others re-form for a membership
+    # change and do not), so it serves only under torchrun.
+    attempt = os.environ.get("ETCD_ELASTIC_ROUND") or str(restart)
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
@@ -132,7 +135,7 @@ def init_distributed(backend: str, rank: int, world_size: int, restart: int) -> 
     )
     dist.init_process_group(
         backend,
-        store=dist.PrefixStore(f"train_ddp/attempt_{restart}", store),
+        store=dist.PrefixStore(f"train_ddp/attempt_{attempt}", store),
         rank=rank,
         world_size=world_size,
     )
