@@ -22,20 +22,20 @@ import contextlib
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from string import Template
-from typing import IO, Any, TextIO
+from typing import TextIO
 
-from agent.logs import LinePump, StreamPlan, WorkerLogs
+from agent.logs import LinePump, WorkerLogs
 from agent.policy import WorkerState
 from agent.ranks import WorkerRanks
+from agent.starts import start_cold, start_warm
 from agent.warm import WarmPool
-from coordinator.core.lifeline import Spawned, spawn
+from coordinator.core.lifeline import Spawned
 from coordinator.core.settings import PASSWORD_ENV
 
 __all__ = [
@@ -197,40 +197,6 @@ class Exited:
     monotonic_time: float
 
 
-# Where a started worker's piped stdout and stderr are read (None: not piped).
-_Sources = tuple[IO[bytes] | None, IO[bytes] | None]
-
-
-def _devnull(after: contextlib.ExitStack) -> int:
-    fd = os.open(os.devnull, os.O_RDWR)
-    after.callback(os.close, fd)
-    return fd
-
-
-def _stream_fd(
-    plan: StreamPlan, inherited: int, after: contextlib.ExitStack
-) -> tuple[int, IO[bytes] | None]:
-    """The descriptor a warm worker gets for one stream (closed here by ``after``), and
-    the pipe's reading end when the stream is piped: what ``_open_stream`` gives Popen."""
-    if plan.piped:
-        read_fd, write_fd = os.pipe()
-        after.callback(os.close, write_fd)
-        return write_fd, os.fdopen(read_fd, "rb")
-    if plan.file is not None:
-        fd = os.open(plan.file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-        after.callback(os.close, fd)
-        return fd, None
-    return (inherited, None) if plan.console else (_devnull(after), None)
-
-
-def _open_stream(plan: StreamPlan) -> int | IO[Any] | None:
-    if plan.piped:
-        return subprocess.PIPE
-    if plan.file is not None:
-        return open(plan.file, "ab")
-    return None if plan.console else subprocess.DEVNULL
-
-
 class _Worker:
     def __init__(self, launch: WorkerLaunch, spawned: Spawned) -> None:
         self.launch = launch
@@ -310,8 +276,10 @@ class WorkerGroup:
         ) from exc
 
     def _start_one(self, launch: WorkerLaunch) -> None:
-        started = self._start_warm(launch) if self._warm is not None else None
-        spawned, sources = started if started is not None else self._start_cold(launch)
+        started = None
+        if self._warm is not None:
+            started = start_warm(self._warm, launch, self._interrupted)
+        spawned, sources = started if started is not None else start_cold(launch)
         worker = _Worker(launch, spawned)
         for source, plan, console in (
             (sources[0], launch.logs.stdout, self._console_out or sys.stdout),
@@ -327,47 +295,6 @@ class WorkerGroup:
             target=self._wait, args=(worker,), name=f"waiter pid {spawned.process.pid}",
             daemon=True,
         ).start()  # fmt: skip
-
-    @staticmethod
-    def _start_cold(launch: WorkerLaunch) -> tuple[Spawned, _Sources]:
-        out = _open_stream(launch.logs.stdout)
-        err = _open_stream(launch.logs.stderr)
-        try:
-            spawned = spawn(
-                launch.argv,
-                env=dict(launch.env),
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
-                start_new_session=True,
-            )
-        finally:
-            for stream in (out, err):
-                if hasattr(stream, "close"):
-                    stream.close()  # type: ignore[union-attr]
-        proc = spawned.process
-        return spawned, (proc.stdout, proc.stderr)
-
-    def _start_warm(self, launch: WorkerLaunch) -> tuple[Spawned, _Sources] | None:
-        """The worker started from the pool's ready interpreter; None: start it cold."""
-        assert self._warm is not None
-        with contextlib.ExitStack() as after:
-            fds: list[int] = [_devnull(after)]
-            readers: list[IO[bytes] | None] = []
-            for plan, inherited in ((launch.logs.stdout, 1), (launch.logs.stderr, 2)):
-                fd, reader = _stream_fd(plan, inherited, after)
-                fds.append(fd)
-                readers.append(reader)
-            spawned = self._warm.take(
-                launch.ranks.local_rank, launch.argv, launch.env, os.getcwd(),
-                (fds[0], fds[1], fds[2]), self._interrupted,
-            )  # fmt: skip
-            if spawned is None:
-                for reader in readers:
-                    if reader is not None:
-                        reader.close()
-                return None
-        return spawned, (readers[0], readers[1])
 
     def _wait(self, worker: _Worker) -> None:
         returncode = worker.proc.wait()
