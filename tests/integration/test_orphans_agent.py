@@ -77,6 +77,9 @@ def test_sigkilled_standalone_agent_leaves_nothing(
     data_dirs = list(tmp_path.glob("etcd-elastic-etcd-*"))
     assert len(etcd) == 1 and len(janitor) == 1 and len(data_dirs) == 1, (started, output())
     assert set(workers_pids) <= set(started)
+    # Interpreters the warm pool keeps ready (or importing) die with the agent too.
+    idle_warm = [p for p in started if "warm_process.py" in _cmdline(p) and p not in workers_pids]
+    assert idle_warm, (started, output())
 
     os.kill(agent.pid, signal.SIGKILL)
     killed_at = time.monotonic()
