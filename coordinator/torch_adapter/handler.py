@@ -42,13 +42,16 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from coordinator.core.errors import (
+    EtcdAuthError,
+    EtcdConnectionError,
     EtcdElasticError,
+    EtcdTLSError,
     JoinTimeoutError,
     NodeLeftError,
     RunClosedError,
     RunEndedWhileWaitingError,
 )
-from coordinator.core.etcd_client import EtcdClient
+from coordinator.core.etcd_client import EtcdClient, backoff_delay
 from coordinator.core.executor import StateExecutor
 from coordinator.core.keys import make_node_id
 from coordinator.core.listeners import Listeners
@@ -155,7 +158,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._etcd(), self._keys, self.node_id, self._settings.lease_ttl, self._limits,
             on_change=self._notify, on_death=self._on_thread_death, clock=self._clock,
         )  # fmt: skip
-        parts.view.start()
+        try:
+            parts.view.start()
+        except BaseException:
+            parts.close()  # its duty never started and it holds no lease: nothing leaks
+            raise
         with self._lock:
             won = self._parts is None and not self._left
             if won:
@@ -165,6 +172,28 @@ class EtcdRendezvousHandler(RendezvousHandler):
             return self._participation()  # raises NodeLeftError, or returns the winner's
         parts.duty.start()
         return parts
+
+    def _rejoin_participation(self, deadline: float) -> Participation:
+        """A new participation after a thread death, tried again until ``deadline``: the
+        fault that killed one watch thread may kill the next one's first watch too (or etcd
+        may be away for a moment), and a node must not give up its join for it."""
+        failures = 0
+        while True:
+            try:
+                return self._participation()
+            except (EtcdAuthError, EtcdTLSError):
+                raise  # a wrong credential does not heal by waiting
+            except EtcdConnectionError as exc:
+                left = deadline - self._clock()
+                if left <= 0:
+                    raise
+                delay = min(left, backoff_delay(failures, secrets.randbelow(1000) / 1000))
+                log.warning(
+                    "node %s: re-joining run %s failed (%s); trying again in %.1f s",
+                    self.node_id, self._keys.run_id, exc, delay,
+                )  # fmt: skip
+                failures += 1
+                time.sleep(delay)
 
     def _current(self) -> Participation | None:
         with self._lock:
@@ -240,7 +269,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         while True:
             if self._current() is not parts:
                 # A background thread died and this node left: join again from scratch.
-                parts, wanted = self._participation(), 0
+                parts, wanted = self._rejoin_participation(deadline), 0
             view = parts.view
             state, _, seen = view.read()
             action = decide_node(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import pytest
 
@@ -104,3 +105,40 @@ def test_a_thread_death_during_a_join_starts_the_join_over(
     joined = waiting.infos(60)
     assert sorted([infos[0].rank, joined[0].rank]) == [0, 1]
     assert first._current() is not old
+
+
+def test_repeated_thread_deaths_during_a_join_still_end_in_a_round(
+    etcd1: EtcdCluster,
+    run_id: str,
+    handlers: list[EtcdRendezvousHandler],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A fault that lasts: every watch thread the joining node starts dies on its first
+    # response for a few seconds. Once it stops, the join must still end in a round.
+    first, second = make_handler(etcd1, run_id, 2, 2), make_handler(etcd1, run_id, 2, 2)
+    handlers += [first, second]
+    waiting = Joins([first]).start()
+    wait_until(lambda: first._current() is not None, 30, "the first node to start joining")
+    client: EtcdClient = first._etcd()
+    deaths = 0
+
+    def broken(*_args: object) -> None:
+        nonlocal deaths
+        deaths += 1
+        raise RuntimeError("injected into the watch thread")
+
+    monkeypatch.setattr(client._watcher, "_handle", broken)
+    key = first._keys.node(first.node_id)
+    deadline = time.monotonic() + 3
+    with EtcdClient(EtcdConfig(endpoints=tuple(etcd1.endpoints))) as poker:
+        while time.monotonic() < deadline:
+            kv, _ = poker.get(key)
+            if kv is not None:
+                with contextlib.suppress(LeaseLostError):
+                    poker.put(key, kv.value, lease=kv.lease)
+            time.sleep(0.2)
+    monkeypatch.undo()
+    assert deaths >= 2
+    infos = Joins([second]).start().infos(60)
+    joined = waiting.infos(60)
+    assert sorted([infos[0].rank, joined[0].rank]) == [0, 1]
