@@ -60,6 +60,10 @@ _HANDOVER_TIMEOUT = 5.0  # seconds for a ready process to confirm it took the re
 # before this worker was asked for, so it is ahead of any cold start on the same cores;
 # a cold start is the fallback only after this, or when the caller is interrupted.
 _READY_WAIT = 30.0
+# Interpreters in a row that may die while importing without a report (killed from
+# outside) before warm starts are turned off; a reported failure (an import error) turns
+# them off at once, since the next one would fail the same way.
+_MAX_DEATHS = 3
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,7 @@ class _Warm:
         self.env = env
         self.ready = threading.Event()
         self.failed: str | None = None
+        self.reported = False  # the program said why it failed (deterministic: an import)
 
     def wait_ready(self) -> None:
         """Block until the process reports (run on the pool's starter thread)."""
@@ -114,6 +119,7 @@ class _Warm:
             report = f"failed {exc}".encode()
         text = report.decode(errors="replace")
         if text != "ready":
+            self.reported = text.startswith("failed ")
             self.failed = text.removeprefix("failed ").strip() or "it exited while starting"
         self.ready.set()
 
@@ -147,6 +153,7 @@ class WarmPool:
         self._top_up_lock = threading.Lock()
         self._closed = False
         self._disabled_why: str | None = None
+        self._deaths = 0  # interpreters in a row that died importing without a report
         self._changed = threading.Condition(self._lock)  # a process became ready, or a poke
 
     @property
@@ -251,7 +258,12 @@ class WarmPool:
         warm.wait_ready()
         self.poke()
         if warm.failed is None:
+            with self._lock:
+                self._deaths = 0
             self._top_up(local_rank)  # the next one imports now
+            return
+        if not warm.reported and self._died_again(local_rank, warm):
+            self._top_up(local_rank)  # killed from outside (OOM killer, ...): try again
             return
         with self._lock:
             first = self._disabled_why is None
@@ -262,6 +274,24 @@ class WarmPool:
             other.discard()
         if first:
             log.info("warm start: off for this agent, workers start cold (%s)", warm.failed)
+
+    def _died_again(self, local_rank: int, warm: _Warm) -> bool:
+        """An interpreter died while importing without saying why: drop it, and say
+        whether to start another (fewer than ``_MAX_DEATHS`` such deaths in a row)."""
+        with self._lock:
+            self._deaths += 1
+            again = self._deaths < _MAX_DEATHS and not self._closed
+            if again:
+                slot = self._slots.get(local_rank, [])
+                slot[:] = [w for w in slot if w is not warm]
+        if again:
+            warm.discard()
+            log.warning(
+                "warm start: local rank %d: a warm interpreter died while importing (%s, "
+                "exit code %s); starting another", local_rank, warm.failed,
+                warm.spawned.process.returncode,
+            )  # fmt: skip
+        return again
 
     def take(
         self, local_rank: int, argv: Sequence[str], env: Mapping[str, str], cwd: str,

@@ -1361,3 +1361,56 @@ def test_preloaded_modules_are_the_only_import_state_that_differs(torch_runs: To
     extra = set(w["modules"]) - set(c["modules"])
     assert all(m.split(".")[0] in sys.stdlib_module_names for m in extra), sorted(extra)
     assert not any(m.split(".")[0] in ("agent", "coordinator", "warm_process") for m in extra)
+
+
+def test_an_interpreter_killed_while_importing_is_replaced_and_warm_starts_stay_on(
+    harness: Harness, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The OOM killer, or an operator, kills an interpreter mid-import: not a reason to turn
+    # warm starts off for the rest of the run (an import error is: the test above).
+    pool, launch, release = _importing_pool(harness, tmp_path)
+    try:
+        [victim] = warm_pids(pool, 0)
+        with caplog.at_level(logging.WARNING, logger="agent.warm"):
+            os.kill(victim, signal.SIGKILL)
+            assert wait_gone(victim), "the killed interpreter was not reaped"
+            deadline = time.monotonic() + 30
+            while warm_pids(pool, 0) in ([], [victim]):
+                assert time.monotonic() < deadline, "no interpreter replaced the killed one"
+                time.sleep(0.02)
+        assert pool.enabled
+        [replacement] = warm_pids(pool, 0)
+        assert replacement != victim
+        assert [r.getMessage() for r in caplog.records] == [
+            "warm start: local rank 0: a warm interpreter died while importing (it exited "
+            "while starting, exit code -9); starting another"
+        ]
+        release.write_text("")
+        wait_ready(pool, [0])
+        group = harness.start([launch], pool=pool, cwd=tmp_path)
+        assert group.pids[0] == replacement
+        assert harness.finish(group)[0].returncode == 0
+    finally:
+        release.write_text("")
+
+
+def test_interpreters_that_keep_dying_while_importing_turn_warm_starts_off(
+    harness: Harness, tmp_path: Path
+) -> None:
+    pool, launch, release = _importing_pool(harness, tmp_path)
+    try:
+        killed: list[int] = []
+        deadline = time.monotonic() + 60
+        while pool.enabled:
+            assert time.monotonic() < deadline, "warm starts stayed on"
+            for pid in warm_pids(pool, 0):
+                if pid not in killed:
+                    killed.append(pid)
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.02)
+        assert len(killed) == 3
+        assert all(wait_gone(pid) for pid in killed)
+        assert warm_pids(pool, 0) == []
+        assert _started_cold(harness, pool, launch, killed, tmp_path).returncode == 0
+    finally:
+        release.write_text("")
