@@ -35,9 +35,11 @@ from types import FrameType
 from agent.history import HISTORY_ENV, HistoryWriter, read_history
 from coordinator.etcd_server import EtcdCluster
 from tests.chaos.checker import Violation, check, format_violations
-from tests.chaos.etcd_ops import EtcdOps, HarnessError, chaos_etcd_binary
+from tests.chaos.etcd_log import EtcdLog, fenced_commits, read_etcd_log
+from tests.chaos.etcd_ops import EtcdOps, HarnessError, chaos_etcd_binary, etcdctl_binary
 from tests.chaos.faults import FaultRunner, Timing
 from tests.chaos.fleet import Fleet, FleetConfig
+from tests.chaos.opening import OPENINGS, coordinator_freeze
 from tests.chaos.report import KindRow, format_table, summarize
 from tests.chaos.scheduler import ALL_KINDS, plan
 from tests.chaos.tail import HistoryTail
@@ -64,10 +66,12 @@ class ChaosConfig:
     settle_timeout_s: float = 45.0
     max_failed_settles: int = 3  # in a row: the job does not recover, stop the plan
     breakage: str = ""  # a deliberately broken agent (tests/chaos/breakage), to be caught
+    opening: str = ""  # a fault at the first formation (tests/chaos/opening.py)
+    min_nodes_override: int = 0  # 0: one fewer than the agents
 
     @property
     def min_nodes(self) -> int:
-        return max(1, self.agents - 1)
+        return self.min_nodes_override or max(1, self.agents - 1)
 
     @property
     def max_nodes(self) -> int:
@@ -148,8 +152,14 @@ def run_chaos(cfg: ChaosConfig) -> ChaosResult:
         state_key=f"{KEY_PREFIX}/{run_id}/state",
     )
     executed, aborted, leftovers = 0, "", []
+    run_prefix = f"{KEY_PREFIX}/{run_id}"
+    etcd_log_path = out / "etcd.jsonl"
+    etcd_log: EtcdLog | None = None
     try:
         cluster.start()
+        etcdctl = etcdctl_binary(cluster.binary)
+        etcd_log = EtcdLog(etcdctl, cluster.endpoint_list, f"{run_prefix}/", etcd_log_path)
+        etcd_log.__enter__()
         history.record(
             "run_start",
             run=run_id,
@@ -164,8 +174,11 @@ def run_chaos(cfg: ChaosConfig) -> ChaosResult:
             endpoints=cluster.endpoints,
             etcd=str(cluster.binary),
         )
-        for _ in range(cfg.agents):
-            fleet.start(fleet.add_slot())
+        if cfg.opening == "coordinator_freeze":
+            coordinator_freeze(fleet, history, etcdctl, run_prefix, cfg.lease_ttl, cfg.agents)
+        else:
+            for _ in range(cfg.agents):
+                fleet.start(fleet.add_slot())
         if not runner.settle(-1, since=None, timeout=cfg.start_timeout_s):
             aborted = "the job never trained with every agent"
         failed = 0
@@ -186,6 +199,8 @@ def run_chaos(cfg: ChaosConfig) -> ChaosResult:
         try:
             leftovers = fleet.close()
         finally:
+            if etcd_log is not None:
+                etcd_log.__exit__(None, None, None)
             cluster.stop()
             survivors = fleet.reaper.leftovers()
             if survivors:
@@ -196,7 +211,10 @@ def run_chaos(cfg: ChaosConfig) -> ChaosResult:
             history.close()
     events = read_history(history_path)
     result = ChaosResult(
-        violations=check(events),
+        violations=[
+            *check(events),
+            *fenced_commits(read_etcd_log(etcd_log_path), run_prefix),
+        ],
         rows=summarize(events),
         out_dir=out,
         history=history_path,
@@ -237,6 +255,12 @@ def _parser() -> argparse.ArgumentParser:
         "--kinds", default=",".join(ALL_KINDS), help="comma-separated fault kinds to draw from"
     )
     parser.add_argument(
+        "--opening", choices=OPENINGS, default="", help="a fault at the first formation"
+    )
+    parser.add_argument(
+        "--min-nodes", type=int, default=0, help="min_nodes of the agents (default: agents - 1)"
+    )
+    parser.add_argument(
         "--break",
         dest="breakage",
         choices=BREAKAGES,
@@ -268,6 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         out_dir=args.out,
         budget_s=args.budget,
         breakage=args.breakage,
+        opening=args.opening,
+        min_nodes_override=args.min_nodes,
     )
     # SIGTERM (a CI job cancelled, `timeout`) unwinds like Ctrl-C, so run_chaos's
     # finally still reaps every agent, worker and etcd member it started.
