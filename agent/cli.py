@@ -22,7 +22,7 @@ import signal
 import sys
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent import devices
 from agent.cli_parser import IGNORED_FLAGS, build_parser
@@ -42,6 +42,9 @@ from coordinator.core.errors import ConfigError
 from coordinator.core.keys import validate_run_id
 from coordinator.core.settings import RendezvousSettings, parse_endpoints
 from coordinator.etcd_server import EtcdBinaryNotFoundError, EtcdStartError
+
+if TYPE_CHECKING:
+    from agent.metrics import RunMetrics
 
 __all__ = ["BACKENDS", "UsageError", "build_parser", "main", "parse_args"]
 
@@ -279,6 +282,7 @@ def _config(
             else parse_whole("--master-port", master_port, low=1, high=65535, what="a port 1-65535")
         ),
     )
+    config = dataclasses.replace(config, **_metrics_flags(ns))
     if ns.start_method not in ("spawn", "fork", "forkserver"):
         raise UsageError("--start-method", f"{ns.start_method!r} is not spawn, fork or forkserver")
     entrypoint, args = _check_script(ns)
@@ -296,6 +300,28 @@ def _config(
         entrypoint=entrypoint,
         args=args,
     )
+
+
+def _metrics_flags(ns: argparse.Namespace) -> dict[str, Any]:
+    addr = str(ns.metrics_addr).strip()
+    if not addr:
+        raise UsageError("--metrics-addr", "is empty; give an address, e.g. 127.0.0.1 or 0.0.0.0")
+    if ns.metrics_port is None or not str(ns.metrics_port).strip():
+        if addr != "127.0.0.1":
+            raise UsageError(
+                "--metrics-addr",
+                f"{addr} serves nothing without --metrics-port; add --metrics-port=PORT "
+                "(0: any free port)",
+            )
+        return {}
+    port = parse_whole(
+        "--metrics-port",
+        ns.metrics_port,
+        low=0,
+        high=65535,
+        what="a port 0-65535 (0: any free one)",
+    )
+    return {"metrics_port": port, "metrics_addr": addr}
 
 
 def parse_args(
@@ -347,11 +373,36 @@ def parse_args(
 # -- run -----------------------------------------------------------------------------------
 
 
-def _launch(config: LaunchConfig) -> int:
+def _launch(config: LaunchConfig, metrics: RunMetrics | None) -> int:
     # Imported only once the command line is valid: bad input never loads the agent.
     from agent.launcher import launch
 
-    return launch(config)
+    return launch(config, metrics=metrics)
+
+
+class _CannotServe(Exception):
+    """The metrics endpoint cannot listen; the message names the flag to change."""
+
+
+def _serve_metrics(config: LaunchConfig, stack: contextlib.ExitStack) -> RunMetrics | None:
+    """Start the ``--metrics-port`` endpoint (stopped by ``stack``); None when off.
+
+    Raises:
+        _CannotServe: it cannot listen.
+    """
+    if config.metrics_port is None:
+        return None
+    # Imported only when asked for: most command lines never load prometheus_client.
+    from agent.metrics import PrometheusMetrics
+    from agent.metrics_server import MetricsServer, MetricsServerError
+
+    metrics = PrometheusMetrics(config.rdzv_id)
+    try:
+        server = MetricsServer(metrics, config.metrics_addr, config.metrics_port)
+    except MetricsServerError as exc:
+        raise _CannotServe(str(exc)) from exc
+    stack.enter_context(server)
+    return metrics
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -359,8 +410,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         The exit code: the agent's (0 when every worker succeeded), 1 when the embedded
-        etcd could not start, 130 after Ctrl-C. Bad command lines exit with code 2 via
-        ``SystemExit`` before anything starts.
+        etcd or the metrics endpoint could not start, 130 after Ctrl-C. Bad command
+        lines exit with code 2 via ``SystemExit`` before anything starts.
     """
     if not logging.getLogger().handlers:
         logging.basicConfig(
@@ -369,9 +420,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     config = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        if not config.standalone:
-            return _launch(config)
         with contextlib.ExitStack() as stack:
+            try:
+                # First: a port in use ends the program before any etcd or worker starts.
+                metrics = _serve_metrics(config, stack)
+            except _CannotServe as exc:
+                print(f"etcdrun: error: {exc}", file=sys.stderr)
+                return 1
+            if not config.standalone:
+                return _launch(config, metrics)
             try:
                 endpoint = stack.enter_context(_embedded())
             except (EtcdBinaryNotFoundError, EtcdStartError) as exc:
@@ -379,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 print(f"etcdrun: error: --standalone: {first}", file=sys.stderr)
                 return 1
-            return _launch(dataclasses.replace(config, rdzv_endpoint=endpoint))
+            return _launch(dataclasses.replace(config, rdzv_endpoint=endpoint), metrics)
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
 
