@@ -28,6 +28,7 @@ from agent import devices
 from agent.cli_parser import IGNORED_FLAGS, build_parser
 from agent.cli_values import (
     UsageError,
+    parse_metrics,
     parse_modules,
     parse_nnodes,
     parse_ranks_filter,
@@ -282,7 +283,8 @@ def _config(
             else parse_whole("--master-port", master_port, low=1, high=65535, what="a port 1-65535")
         ),
     )
-    config = dataclasses.replace(config, **_metrics_flags(ns))
+    metrics_port, metrics_addr = parse_metrics(ns.metrics_port, ns.metrics_addr)
+    config = dataclasses.replace(config, metrics_port=metrics_port, metrics_addr=metrics_addr)
     if ns.start_method not in ("spawn", "fork", "forkserver"):
         raise UsageError("--start-method", f"{ns.start_method!r} is not spawn, fork or forkserver")
     entrypoint, args = _check_script(ns)
@@ -300,28 +302,6 @@ def _config(
         entrypoint=entrypoint,
         args=args,
     )
-
-
-def _metrics_flags(ns: argparse.Namespace) -> dict[str, Any]:
-    addr = str(ns.metrics_addr).strip()
-    if not addr:
-        raise UsageError("--metrics-addr", "is empty; give an address, e.g. 127.0.0.1 or 0.0.0.0")
-    if ns.metrics_port is None or not str(ns.metrics_port).strip():
-        if addr != "127.0.0.1":
-            raise UsageError(
-                "--metrics-addr",
-                f"{addr} serves nothing without --metrics-port; add --metrics-port=PORT "
-                "(0: any free port)",
-            )
-        return {}
-    port = parse_whole(
-        "--metrics-port",
-        ns.metrics_port,
-        low=0,
-        high=65535,
-        what="a port 0-65535 (0: any free one)",
-    )
-    return {"metrics_port": port, "metrics_addr": addr}
 
 
 def parse_args(

@@ -130,7 +130,7 @@ class _Connection:
 
     :class:`EtcdClient` builds on it; its watch and keep-alive threads use these parts
     directly. ``_unary`` runs one RPC with failover, token refresh and error translation,
-    and reports it to the observer (``_observer``), if any.
+    and reports it to the client's observer (``_observed``), if any.
     """
 
     def __init__(
