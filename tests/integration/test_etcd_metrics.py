@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent.metrics import PrometheusMetrics
 from coordinator.core.etcd_client import EtcdClient, EtcdConfig, WatchEvent
 from coordinator.etcd_server import EtcdCluster, free_port
+from tests.chaos.proxy import Mode, TcpFaultProxy
 
 pytestmark = pytest.mark.integration
 
@@ -23,12 +24,15 @@ class Tee:
     def __init__(self, metrics: PrometheusMetrics) -> None:
         self._to = metrics.etcd_observer
         self.keepalive = threading.Event()
+        self.no_answer = threading.Event()
 
     def call_done(self, method: str, seconds: float, failed: bool) -> None:
         self._to.call_done(method, seconds, failed)
 
     def attempt_failed(self, method: str, code: str) -> None:
         self._to.attempt_failed(method, code)
+        if (method, code) == ("lease_keepalive", "NO_ANSWER"):
+            self.no_answer.set()
 
     def keepalive_answered(self, seconds: float) -> None:
         self._to.keepalive_answered(seconds)
@@ -150,3 +154,32 @@ def test_a_call_no_member_answers_is_a_failed_call_and_the_age_grows(
     )
     # Nothing ever answered: the age counts from the start, past the budget by now.
     assert found[("etcd_elastic_etcd_last_answer_age_seconds", frozenset())] >= 1.0
+
+
+def test_a_hung_member_shows_as_keepalives_without_answer_and_a_growing_age(
+    etcd1: EtcdCluster, metrics: PrometheusMetrics, threads_reaped: None
+) -> None:
+    host, port = etcd1.endpoints[0].rsplit(":", 1)
+    tee = Tee(metrics)
+    age = ("etcd_elastic_etcd_last_answer_age_seconds", frozenset())
+    with (
+        TcpFaultProxy((host, int(port)), name="hung-member") as proxy,
+        EtcdClient(EtcdConfig((proxy.endpoint,)), observer=tee) as client,
+    ):
+        lease = client.lease_grant(3)
+        keepalive = client.keep_alive(lease, 3)
+        assert tee.keepalive.wait(30), "no keep-alive answered"
+        proxy.set_mode(Mode.BLACKHOLE)  # connections stay open; nothing gets through
+        # One interval (1 s) without an answer: the client gives up on that stream.
+        assert tee.no_answer.wait(30), "the hung stream was never given up"
+        silent = scraped(metrics)
+        proxy.set_mode(Mode.PASS)
+        tee.keepalive.clear()
+        assert tee.keepalive.wait(60), "no keep-alive answered after the member came back"
+        back = scraped(metrics)
+        keepalive.close()
+    assert silent[age] >= 0.9, silent[age]
+    assert back[age] < silent[age]
+    key = ("etcd_elastic_etcd_errors_total",
+           frozenset({("method", "lease_keepalive"), ("code", "NO_ANSWER")}))  # fmt: skip
+    assert silent[key] >= 1
