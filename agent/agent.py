@@ -52,6 +52,7 @@ from agent.errorfile import Failure, root_cause
 from agent.history import NODE_ENV
 from agent.launches import build_launches, warm_templates
 from agent.logs import LogSpec, RunLogDir
+from agent.metrics import RunMetrics, restart_cause, running_workers
 from agent.phase import MembershipChanged, Phase, PhaseWaiter
 from agent.policy import RestartBudget, Step, WorkerState, next_step, stop_for_closed_run
 from agent.ranks import Store
@@ -88,6 +89,7 @@ class Agent:
         base_env: Mapping[str, str] | None = None,
         console_out: TextIO | None = None,
         console_err: TextIO | None = None,
+        metrics: RunMetrics | None = None,
     ) -> None:
         """
         Args:
@@ -96,6 +98,7 @@ class Agent:
             base_env: the environment workers inherit (default: this process's).
             console_out, console_err: where tee'd worker lines and the failure report go
                 (default: sys.stdout / sys.stderr at the time of writing).
+            metrics: hears of rounds, restarts and workers (default: nothing measured).
         """
         self._config = config
         self._handler = handler
@@ -107,6 +110,9 @@ class Agent:
         self._push_events = False
         self._stop_signal: int | None = None
         self._budget = RestartBudget(config.max_restarts)
+        self._metrics = metrics or RunMetrics()
+        self._metrics.restarts_left(self._budget.left)
+        self._metrics.watch_workers(lambda: running_workers(self._group))
         self._attempt = -1
         self._group_rank = -1
         self._group_world_size = 0
@@ -334,9 +340,11 @@ class Agent:
 
     def _before_restart(self, step: Step, state: WorkerState) -> None:
         """Count (or not) the restart ``step`` asks for, say why, and stop the workers."""
+        self._metrics.restarted(restart_cause(step, state))
         if step is Step.RESTART_COUNTED:
             self._failures = collect_failures(self._group) or self._failures
             self._budget.charge(self._group_world_size)
+            self._metrics.restarts_left(self._budget.left)
             first = root_cause(self._failures) if self._failures else None
             log.warning(
                 "%s: worker group %s (root cause: rank %s: %s); restarting, %d of %d restarts left",
@@ -409,9 +417,15 @@ class Agent:
         config = self._config
         if self._stop_signal is not None:
             return False
+        asked = time.monotonic()
         formed = self._form()
         if formed is None or self._stop_signal is not None:
             return False
+        self._metrics.round_formed(
+            int(getattr(self._handler, "last_round", -1)),
+            formed.info.world_size,
+            time.monotonic() - asked,
+        )
         group_rank, group_world_size = formed.info.rank, formed.info.world_size
         self._store, self._group_rank = formed.store, group_rank
         # This round's bootstrap store (group rank 0); the last round's server stops here.
@@ -422,6 +436,7 @@ class Agent:
                 "departure, so that restart is not counted (%d of %d restarts left)",
                 self._ctx(), group_world_size, self._budget.left, config.max_restarts,
             )  # fmt: skip
+        self._metrics.restarts_left(self._budget.left)
         self._group_world_size = group_world_size
         self._attempt += 1
         group = formed.group_info(config, self.restart_count, self._handler.get_run_id())

@@ -22,12 +22,13 @@ import signal
 import sys
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent import devices
 from agent.cli_parser import IGNORED_FLAGS, build_parser
 from agent.cli_values import (
     UsageError,
+    parse_metrics,
     parse_modules,
     parse_nnodes,
     parse_ranks_filter,
@@ -42,6 +43,9 @@ from coordinator.core.errors import ConfigError
 from coordinator.core.keys import validate_run_id
 from coordinator.core.settings import RendezvousSettings, parse_endpoints
 from coordinator.etcd_server import EtcdBinaryNotFoundError, EtcdStartError
+
+if TYPE_CHECKING:
+    from agent.metrics import RunMetrics
 
 __all__ = ["BACKENDS", "UsageError", "build_parser", "main", "parse_args"]
 
@@ -279,6 +283,8 @@ def _config(
             else parse_whole("--master-port", master_port, low=1, high=65535, what="a port 1-65535")
         ),
     )
+    metrics_port, metrics_addr = parse_metrics(ns.metrics_port, ns.metrics_addr)
+    config = dataclasses.replace(config, metrics_port=metrics_port, metrics_addr=metrics_addr)
     if ns.start_method not in ("spawn", "fork", "forkserver"):
         raise UsageError("--start-method", f"{ns.start_method!r} is not spawn, fork or forkserver")
     entrypoint, args = _check_script(ns)
@@ -347,11 +353,36 @@ def parse_args(
 # -- run -----------------------------------------------------------------------------------
 
 
-def _launch(config: LaunchConfig) -> int:
+def _launch(config: LaunchConfig, metrics: RunMetrics | None) -> int:
     # Imported only once the command line is valid: bad input never loads the agent.
     from agent.launcher import launch
 
-    return launch(config)
+    return launch(config, metrics=metrics)
+
+
+class _CannotServe(Exception):
+    """The metrics endpoint cannot listen; the message names the flag to change."""
+
+
+def _serve_metrics(config: LaunchConfig, stack: contextlib.ExitStack) -> RunMetrics | None:
+    """Start the ``--metrics-port`` endpoint (stopped by ``stack``); None when off.
+
+    Raises:
+        _CannotServe: it cannot listen.
+    """
+    if config.metrics_port is None:
+        return None
+    # Imported only when asked for: most command lines never load prometheus_client.
+    from agent.metrics import PrometheusMetrics
+    from agent.metrics_server import MetricsServer, MetricsServerError
+
+    metrics = PrometheusMetrics(config.rdzv_id)
+    try:
+        server = MetricsServer(metrics, config.metrics_addr, config.metrics_port)
+    except MetricsServerError as exc:
+        raise _CannotServe(str(exc)) from exc
+    stack.enter_context(server)
+    return metrics
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -359,8 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         The exit code: the agent's (0 when every worker succeeded), 1 when the embedded
-        etcd could not start, 130 after Ctrl-C. Bad command lines exit with code 2 via
-        ``SystemExit`` before anything starts.
+        etcd or the metrics endpoint could not start, 130 after Ctrl-C. Bad command
+        lines exit with code 2 via ``SystemExit`` before anything starts.
     """
     if not logging.getLogger().handlers:
         logging.basicConfig(
@@ -369,9 +400,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     config = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        if not config.standalone:
-            return _launch(config)
         with contextlib.ExitStack() as stack:
+            try:
+                # First: a port in use ends the program before any etcd or worker starts.
+                metrics = _serve_metrics(config, stack)
+            except _CannotServe as exc:
+                print(f"etcdrun: error: {exc}", file=sys.stderr)
+                return 1
+            if not config.standalone:
+                return _launch(config, metrics)
             try:
                 endpoint = stack.enter_context(_embedded())
             except (EtcdBinaryNotFoundError, EtcdStartError) as exc:
@@ -379,7 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 print(f"etcdrun: error: --standalone: {first}", file=sys.stderr)
                 return 1
-            return _launch(dataclasses.replace(config, rdzv_endpoint=endpoint))
+            return _launch(dataclasses.replace(config, rdzv_endpoint=endpoint), metrics)
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
 

@@ -325,6 +325,26 @@ def build_parser(*, environ: Mapping[str, str] | None = None) -> argparse.Argume
         show_default=False,
     )
 
+    metrics = parser.add_argument_group("metrics (docs/metrics.md)")
+    option(
+        metrics,
+        "--metrics-port",
+        "--metrics_port",
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://ADDR:PORT/metrics (0: any free port, "
+        "logged at start; default: no metrics)",
+        show_default=False,
+    )
+    option(
+        metrics,
+        "--metrics-addr",
+        "--metrics_addr",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="address the metrics endpoint listens on; 0.0.0.0 for a scraper on another host",
+    )
+
     addr = parser.add_argument_group("addresses")
     option(
         addr,

@@ -14,6 +14,7 @@ from agent.config import Std
 
 __all__ = [
     "UsageError",
+    "parse_metrics",
     "parse_modules",
     "parse_nnodes",
     "parse_ranks_filter",
@@ -157,3 +158,20 @@ def parse_signal(flag: str, text: str) -> signal.Signals:
         raise UsageError(
             flag, f"{text!r} is not a signal; give a name such as SIGUSR1 or USR1, or a number"
         ) from None
+
+
+def parse_metrics(port: str | None, addr: str) -> tuple[int | None, str]:
+    """``--metrics-port`` (None or empty: off) and ``--metrics-addr`` -> (port, address)."""
+    addr = addr.strip()
+    if not addr:
+        raise UsageError("--metrics-addr", "is empty; give an address, e.g. 127.0.0.1 or 0.0.0.0")
+    if port is None or not port.strip():
+        if addr != "127.0.0.1":
+            raise UsageError(
+                "--metrics-addr",
+                f"{addr} serves nothing without --metrics-port; add --metrics-port=PORT "
+                "(0: any free port)",
+            )
+        return None, addr
+    what = "a port 0-65535 (0: any free one)"
+    return parse_whole("--metrics-port", port, low=0, high=65535, what=what), addr

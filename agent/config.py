@@ -56,6 +56,9 @@ class LaunchConfig:
         drain_signal: the early warning a leaving agent's workers get first (drained by an
             operator, or the agent was sent a stop signal), instead of the stop signal;
             SIGKILL follows ``stop_grace_period`` later. None: the stop signal.
+        metrics_port: where Prometheus metrics are served (``--metrics-port``; 0: any
+            free port); None: no metrics endpoint.
+        metrics_addr: the address it listens on (``--metrics-addr``).
     """
 
     min_nodes: int
@@ -89,3 +92,5 @@ class LaunchConfig:
     warm_modules: tuple[str, ...] = ("torch",)
     warm_pool_size: int = 2
     drain_signal: signal.Signals | None = None
+    metrics_port: int | None = None
+    metrics_addr: str = "127.0.0.1"

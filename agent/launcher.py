@@ -7,21 +7,27 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
 from collections.abc import Callable
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
 from agent.agent import Agent
 from agent.config import LaunchConfig
+from agent.metrics import RunMetrics
 from agent.stopping import stop_requests
+from coordinator.core.etcd_client import EtcdObserver
 
 __all__ = ["build_handler", "launch"]
 
 log = logging.getLogger(__name__)
 
 
-def build_handler(config: LaunchConfig) -> RendezvousHandler:
-    """Our etcd rendezvous handler for ``config``.
+def build_handler(
+    config: LaunchConfig, *, etcd_observer: EtcdObserver | None = None
+) -> RendezvousHandler:
+    """Our etcd rendezvous handler for ``config`` (its etcd client reports to
+    ``etcd_observer``, if given).
 
     Raises:
         RuntimeError: the coordinator package has no handler (a broken install).
@@ -43,25 +49,34 @@ def build_handler(config: LaunchConfig) -> RendezvousHandler:
         local_addr=config.local_addr,
         **config.rdzv_conf,
     )
-    return create_handler(params, local_world_size=config.nproc_per_node, role=config.role)
+    return create_handler(
+        params,
+        local_world_size=config.nproc_per_node,
+        role=config.role,
+        etcd_observer=etcd_observer,
+    )
 
 
-def launch(config: LaunchConfig) -> int:
+def launch(config: LaunchConfig, *, metrics: RunMetrics | None = None) -> int:
     """Run this node of the job; returns the process exit code.
 
     0: every worker succeeded; 1: workers failed with no restarts left (the root-cause
     report is printed) or the run was closed; 128+N: stopped by signal N.
 
     With ``config.standalone`` and no endpoint yet, an embedded etcd is started for the
-    run (``agent.cli`` normally does this itself and passes its endpoint).
+    run (``agent.cli`` normally does this itself and passes its endpoint). ``metrics``
+    (served by the caller, ``--metrics-port``) hears of the rounds, restarts and etcd
+    calls; None: nothing is measured.
     """
     if config.standalone and not config.rdzv_endpoint:
         from agent.standalone import embedded_etcd
 
         with embedded_etcd() as endpoint:
-            return launch(dataclasses.replace(config, rdzv_endpoint=endpoint))
-    handler = build_handler(config)
-    agent = Agent(config, handler)
+            return launch(dataclasses.replace(config, rdzv_endpoint=endpoint), metrics=metrics)
+    metrics = metrics or RunMetrics()
+    handler = build_handler(config, etcd_observer=metrics.etcd_observer)
+    metrics.identify(str(getattr(handler, "node_id", "?")), socket.gethostname())
+    agent = Agent(config, handler, metrics=metrics)
     try:
         with stop_requests(agent.request_stop):
             return agent.run()

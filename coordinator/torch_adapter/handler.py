@@ -51,7 +51,7 @@ from coordinator.core.errors import (
     RunClosedError,
     RunEndedWhileWaitingError,
 )
-from coordinator.core.etcd_client import EtcdClient, backoff_delay
+from coordinator.core.etcd_client import EtcdClient, EtcdObserver, backoff_delay
 from coordinator.core.executor import StateExecutor
 from coordinator.core.keys import make_node_id
 from coordinator.core.listeners import Listeners
@@ -90,6 +90,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         backend_name: what :meth:`get_backend` reports.
         local_world_size, role: recorded in this node's key for operators.
         clock: monotonic seconds (tests pass a fake).
+        etcd_observer: hears of every etcd call the handler's own client makes (the
+            agent's metrics); ignored with a shared ``client``, which has its own.
     """
 
     def __init__(
@@ -101,8 +103,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
         local_world_size: int = 0,
         role: str = "",
         clock: Callable[[], float] = time.monotonic,
+        etcd_observer: EtcdObserver | None = None,
     ) -> None:
         self._settings = settings
+        self._etcd_observer = etcd_observer
         self._keys = settings.keys
         self._backend_name = backend_name
         self._own_client = client is None
@@ -140,7 +144,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
             if self._client is None:
                 # Construction does no I/O (the first call connects).
                 self._client = EtcdClient(
-                    self._settings.etcd_config(), on_thread_death=self._on_thread_death
+                    self._settings.etcd_config(),
+                    on_thread_death=self._on_thread_death,
+                    observer=self._etcd_observer,
                 )
             elif self._unlisten is None and not self._own_client:
                 self._unlisten = self._client.add_death_listener(self._on_thread_death)
@@ -489,6 +495,7 @@ def create_handler(
     client: EtcdClient | None = None,
     local_world_size: int = 0,
     role: str = "",
+    etcd_observer: EtcdObserver | None = None,
 ) -> EtcdRendezvousHandler:
     """Build a handler from torch's parameters (validated; errors name the setting)."""
     settings = RendezvousSettings.from_parameters(params)
@@ -498,4 +505,5 @@ def create_handler(
         backend_name=params.backend,
         local_world_size=local_world_size,
         role=role,
+        etcd_observer=etcd_observer,
     )

@@ -50,7 +50,7 @@ def started(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         calls.append("etcd")
         yield "127.0.0.1:23790"
 
-    def fake_launch(config: LaunchConfig) -> int:
+    def fake_launch(config: LaunchConfig, metrics: object = None) -> int:
         calls.append(f"launch {config.rdzv_endpoint}")
         return 7
 

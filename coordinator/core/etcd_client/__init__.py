@@ -41,7 +41,9 @@ Layout, one concept per module (import from this package, not from them):
 * ``_liveness``: ``LeaseState`` and the pure rules of a lease's keep-alive;
 * ``_keepalive``: ``KeepAlive``, one keep-alive stream per lease;
 * ``_watch``: ``Watch``, one watch and how it ends;
-* ``_watcher``: the watch thread, every watch of a client on one resumable stream.
+* ``_watcher``: the watch thread, every watch of a client on one resumable stream;
+* ``_observer``: ``EtcdObserver``, what the client reports (calls, failed attempts,
+  keep-alive round trips, answers) to whoever measures it (the agent's metrics).
 """
 
 from coordinator.core.etcd_client._client import EtcdClient
@@ -64,6 +66,7 @@ from coordinator.core.etcd_client._failover import (
 )
 from coordinator.core.etcd_client._keepalive import KeepAlive, OnReachable, OnUnreachable
 from coordinator.core.etcd_client._liveness import LeaseState, Outage
+from coordinator.core.etcd_client._observer import NO_ANSWER, STREAM_ENDED, EtcdObserver
 from coordinator.core.etcd_client._types import (
     EtcdConfig,
     KeyValue,
@@ -76,8 +79,11 @@ from coordinator.core.etcd_client._types import (
 from coordinator.core.etcd_client._watch import Watch
 
 __all__ = [
+    "NO_ANSWER",
+    "STREAM_ENDED",
     "EtcdClient",
     "EtcdConfig",
+    "EtcdObserver",
     "KeepAlive",
     "KeyValue",
     "LeaseState",

@@ -16,6 +16,7 @@ from coordinator.core.errors import EtcdConnectionError, LeaseLostError
 from coordinator.core.etcd_client._failover import NOT_FOUND, _status, classify_status
 from coordinator.core.etcd_client._keepalive import KeepAlive, OnReachable, OnUnreachable
 from coordinator.core.etcd_client._kv import _KV, _check_prefix
+from coordinator.core.etcd_client._observer import EtcdObserver
 from coordinator.core.etcd_client._types import EtcdConfig, WatchEvent, prefix_range_end
 from coordinator.core.etcd_client._watch import Watch, _WatchState
 from coordinator.core.etcd_client._watcher import _Watcher
@@ -45,6 +46,8 @@ class EtcdClient(_KV):
         sleep: waits between failover rounds (default: a wait that :meth:`close` cuts short).
         rng: picks the first endpoint (spreading clients over members) and the jitter.
         on_thread_death: a first death listener (see :meth:`add_death_listener`).
+        observer: hears of every call, failed attempt, keep-alive and answer (metrics;
+            see :class:`~coordinator.core.etcd_client.EtcdObserver`); None: nobody.
 
     Raises:
         EtcdTLSError: a TLS file cannot be read (names the file).
@@ -58,8 +61,9 @@ class EtcdClient(_KV):
         sleep: Callable[[float], None] | None = None,
         rng: random.Random | None = None,
         on_thread_death: DeathListener | None = None,
+        observer: EtcdObserver | None = None,
     ) -> None:
-        super().__init__(config, clock=clock, sleep=sleep, rng=rng)
+        super().__init__(config, clock=clock, sleep=sleep, rng=rng, observer=observer)
         self._keepalives: set[KeepAlive] = set()
         self._lock = threading.Lock()
         self._death_listeners: list[DeathListener] = []
@@ -126,6 +130,7 @@ class EtcdClient(_KV):
                 f"lease_revoke of lease {lease_id:x}",
                 lambda s, t, m: s.lease.LeaseRevoke(request, timeout=t, metadata=m),
                 budget=budget,
+                method="lease_revoke",
             )
         except LeaseLostError:
             return  # already gone: what revoking wanted

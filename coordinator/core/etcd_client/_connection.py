@@ -20,6 +20,7 @@ from coordinator.core.etcd_client._failover import (
     NOT_FOUND,
     PERMISSION,
     REAUTH,
+    RETRY,
     T,
     TlsSide,
     _code_name,
@@ -28,6 +29,7 @@ from coordinator.core.etcd_client._failover import (
     classify_status,
     run_with_failover,
 )
+from coordinator.core.etcd_client._observer import EtcdObserver, Observed
 from coordinator.core.etcd_client._types import EtcdConfig, key_text
 
 __all__ = ["Metadata", "_Connection", "_stream_metadata"]
@@ -127,7 +129,8 @@ class _Connection:
     """What every etcd call of a client shares: endpoint ring, channels, auth token.
 
     :class:`EtcdClient` builds on it; its watch and keep-alive threads use these parts
-    directly. ``_unary`` runs one RPC with failover, token refresh and error translation.
+    directly. ``_unary`` runs one RPC with failover, token refresh and error translation,
+    and reports it to the client's observer (``_observed``), if any.
     """
 
     def __init__(
@@ -137,8 +140,10 @@ class _Connection:
         clock: Callable[[], float],
         sleep: Callable[[float], None] | None,
         rng: random.Random | None,
+        observer: EtcdObserver | None = None,
     ) -> None:
         self._config = config
+        self._observed = Observed(observer)
         self._clock = clock
         self._rng = rng or random.Random()
         self._closed = threading.Event()
@@ -234,9 +239,10 @@ class _Connection:
             stubs = self._channels.stubs(index)
             return str(stubs.auth.Authenticate(request, timeout=timeout).token)
 
+        started, failed = self._clock(), True
         try:
-            token = self._failover("Authenticate", attempt, budget)
-            self._authenticated = True
+            token = self._failover("Authenticate", self._observing("authenticate", attempt), budget)
+            self._authenticated, failed = True, False
             return token
         except grpc.RpcError as exc:
             code, details = _status(exc)
@@ -253,6 +259,36 @@ class _Connection:
                 f"etcd refused Authenticate for user {self._config.user!r}: "
                 f"{_code_name(code)}: {details}"
             ) from exc
+        finally:
+            self._observed.call_done("authenticate", self._clock() - started, failed)
+
+    def _observe_failure(self, method: str, exc: grpc.RpcError) -> None:
+        """Report one failed attempt; an error status other than a connection failure
+        is an answer from etcd too (the member is up and said no)."""
+        observed = self._observed
+        if observed.enabled:
+            code, details = _status(exc)
+            observed.attempt_failed(method, _code_name(code))
+            if classify_status(code, details) != RETRY:
+                observed.answered(self._clock())
+
+    def _observing(
+        self, method: str, attempt: Callable[[int, float], T]
+    ) -> Callable[[int, float], T]:
+        """``attempt``, reporting its answer or failure to the observer (if any)."""
+        if not self._observed.enabled:
+            return attempt
+
+        def observed(index: int, timeout: float) -> T:
+            try:
+                result = attempt(index, timeout)
+            except grpc.RpcError as exc:
+                self._observe_failure(method, exc)
+                raise
+            self._observed.answered(self._clock())
+            return result
+
+        return observed
 
     def _invalidate_token(self, used: Metadata) -> None:
         """Forget the token ``used`` was built from (unless another thread already did)."""
@@ -267,9 +303,31 @@ class _Connection:
         *,
         key: bytes | None = None,
         budget: float | None = None,
+        method: str | None = None,
     ) -> T:
-        """One unary RPC with failover, token refresh and error translation."""
+        """One unary RPC with failover, token refresh and error translation.
+
+        ``method`` names the call to the observer (a metric label, so a fixed string);
+        default ``what``, which must then be one too.
+        """
         self._check_open()
+        name = method or what
+        started, failed = self._clock(), True
+        try:
+            result = self._unary_retrying(what, name, call, key, budget)
+            failed = False
+            return result
+        finally:
+            self._observed.call_done(name, self._clock() - started, failed)
+
+    def _unary_retrying(
+        self,
+        what: str,
+        method: str,
+        call: Callable[[_Stubs, float, Metadata], T],
+        key: bytes | None,
+        budget: float | None,
+    ) -> T:
         reauths = 0
         while True:
             metadata = self._metadata()
@@ -278,7 +336,9 @@ class _Connection:
                 return call(self._channels.stubs(index), timeout, metadata)
 
             try:
-                return self._failover(what, attempt, budget or self._config.retry_budget)
+                return self._failover(
+                    what, self._observing(method, attempt), budget or self._config.retry_budget
+                )
             except grpc.RpcError as exc:
                 code, details = _status(exc)
                 kind = classify_status(code, details)

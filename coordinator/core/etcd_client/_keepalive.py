@@ -27,6 +27,7 @@ from coordinator.core.etcd_client._failover import (
     classify_status,
 )
 from coordinator.core.etcd_client._liveness import Change, LeaseState, Liveness, Outage
+from coordinator.core.etcd_client._observer import NO_ANSWER, STREAM_ENDED
 from coordinator.core.threads import ThreadDied, start_guarded
 
 if TYPE_CHECKING:
@@ -72,6 +73,10 @@ class KeepAlive:
 
     Callbacks run on this keep-alive thread and must not block. One that raises is
     logged and the keep-alive goes on: a bug of the owner must not cost the lease.
+
+    The client's observer hears each answer's round trip (``keepalive_answered``), each
+    answer (``answered``) and each broken stream (``attempt_failed`` with method
+    ``lease_keepalive``).
     """
 
     lease_id: int
@@ -230,9 +235,15 @@ class KeepAlive:
 
     def _on_answer(self, rsp: Any) -> bool:
         """One keep-alive answer; False once the lease is lost (the stream is done)."""
+        now = self._client._clock()
         with self._lock:
-            change = self._liveness.answered(self._client._clock(), int(rsp.TTL))
+            sent_at = self._liveness.oldest_unanswered()
+            change = self._liveness.answered(now, int(rsp.TTL))
             self._quiet = False
+        observed = self._client._observed
+        if sent_at is not None:
+            observed.keepalive_answered(now - sent_at)
+        observed.answered(now)
         self._report(change)
         return not self._lost.is_set()
 
@@ -249,8 +260,10 @@ class KeepAlive:
         if self._stop.is_set():
             future.cancel()
         rsp = future.result()
+        now = clock()
+        self._client._observed.answered(now)
         with self._lock:
-            change = self._liveness.probed(clock(), sent_at, int(rsp.TTL))
+            change = self._liveness.probed(now, sent_at, int(rsp.TTL))
             self._quiet = False
             self.endpoint = self._client.config.endpoints[index]
         self._report(change)
@@ -283,10 +296,17 @@ class KeepAlive:
                 if not self._on_answer(rsp):
                     return _Attempt(RETRY, metadata, True)
             self._failed(name, "the member ended the stream")
+            client._observed.attempt_failed("lease_keepalive", STREAM_ENDED)
             return _Attempt(RETRY, metadata, answered)
         except grpc.RpcError as exc:
             code, details = _status(exc)
             kind = RETRY if done.is_set() else classify_status(code, details)
+            if not self._stop.is_set():
+                client._observed.attempt_failed(
+                    "lease_keepalive", NO_ANSWER if done.is_set() else _code_name(code)
+                )
+                if kind != RETRY:
+                    client._observed.answered(client._clock())  # an error status, from etcd
             if kind == NOT_FOUND and "lease not found" in details.lower():
                 with self._lock:
                     change = self._liveness.not_found(client._clock(), details)

@@ -27,6 +27,7 @@ from coordinator.core.etcd_client._failover import (
     tls_mismatch,
     unreachable,
 )
+from coordinator.core.etcd_client._observer import STREAM_ENDED
 from coordinator.core.etcd_client._watch import _event, _watch_error, _WatchState
 from coordinator.core.threads import ThreadDied, start_guarded
 
@@ -204,15 +205,21 @@ class _Watcher:
                 _queue_iter(requests), metadata=_stream_metadata(metadata)
             )
             self._opened(call, requests)
+            observed = client._observed
             for response in call:
+                observed.answered(client._clock())
                 if not answered:
                     answered = True
                     self._answered(name)
                 self._handle(response, metadata)
             self._broke(name, "the member ended the stream")
+            if not self._closed:
+                observed.attempt_failed("watch", STREAM_ENDED)
             return _Attempt(RETRY, metadata, answered)
         except grpc.RpcError as exc:
             code, details = _status(exc)
+            if not self._closed:
+                client._observed.attempt_failed("watch", _code_name(code))
             self._failed(name, code, details)
             return _Attempt(classify_status(code, details), metadata, answered)
         except EtcdAuthError as exc:
