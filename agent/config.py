@@ -56,6 +56,9 @@ class LaunchConfig:
         drain_signal: the early warning a leaving agent's workers get first (drained by an
             operator, or the agent was sent a stop signal), instead of the stop signal;
             SIGKILL follows ``stop_grace_period`` later. None: the stop signal.
+        hang_timeout: ``--hang-timeout``: seconds a node's workers may report no progress
+            (``agent.progress.report_progress``) before the run re-forms, a counted
+            restart on every node (``docs/hang-detection.md``). None: off.
     """
 
     min_nodes: int
@@ -89,3 +92,4 @@ class LaunchConfig:
     warm_modules: tuple[str, ...] = ("torch",)
     warm_pool_size: int = 2
     drain_signal: signal.Signals | None = None
+    hang_timeout: float | None = None
