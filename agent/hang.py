@@ -2,6 +2,7 @@
 
 The agent owns one :class:`HangWatch`. Its thread (``hang-watch``) reads the progress
 file the workers write (:mod:`agent.progress`) every :func:`~agent.hang_rules.tick_seconds`,
+notes on its own monotonic clock when each worker's step changed,
 publishes the node's progress to etcd when it changed (at most once per
 ``publish_interval``) and, with ``--hang-timeout``, declares a hang when the node's
 workers made no progress for that long: it reads every node's progress once, names the
@@ -26,7 +27,16 @@ import threading
 import time
 from collections.abc import Callable
 
-from agent.hang_rules import LocalProgress, Published, fold, hang_line, publish_due, tick_seconds
+from agent.hang_rules import (
+    LocalProgress,
+    Published,
+    Seen,
+    fold,
+    hang_line,
+    publish_due,
+    tick_seconds,
+    track,
+)
 from agent.policy import WorkerState
 from agent.progress import PROGRESS_FILE_ENV, ProgressFile
 from agent.workers import WorkerGroup
@@ -104,6 +114,8 @@ class HangWatch:
         self._published: Published | None = None
         self._declared_round: int | None = None
         self._local_hang: Hang | None = None  # a handler without a board: ours alone
+        self._seen: list[Seen | None] = []  # the thread's own: per local rank
+        self._fresh = False  # begin() was called: forget what the thread saw
         self._died: ThreadDied | None = None
         self._warned = False
         self._stop = threading.Event()
@@ -121,6 +133,7 @@ class HangWatch:
         self._file.reset()
         with self._lock:
             self._round, self._published, self._local_hang = round, None, None
+            self._fresh = True
         if self._thread is None:
             self._thread = start_guarded("hang-watch", self._run, self._died_with)
 
@@ -160,10 +173,13 @@ class HangWatch:
     def _run(self) -> None:
         while not self._stop.wait(self._tick):
             with self._lock:
-                round = self._round
+                round, fresh, self._fresh = self._round, self._fresh, False
+            if fresh:
+                self._seen = []
             if round is None:
                 continue
-            local = fold(self._file.read(), self._running())
+            self._seen = track(self._seen, self._file.read(), self._clock_ns())
+            local = fold(self._seen, self._running())
             if local is None:
                 continue
             try:

@@ -18,11 +18,16 @@ __all__ = [
     "hang_line",
     "publish_due",
     "tick_seconds",
+    "track",
 ]
 
-# Longest time between two reads of the workers' progress file. Detection lags the
-# timeout by at most one tick (plus the compare-and-swap), within "timeout + 1 s".
-_MAX_TICK_S = 0.5
+# Longest time between two reads of the workers' progress file. A step change is seen at
+# most one tick late and the stall is judged each tick, so detection lags the timeout by
+# at most two ticks (plus a compare-and-swap): within "timeout + 1 s".
+_MAX_TICK_S = 0.25
+
+Seen = tuple[int, int]
+"""A worker's last step and when the agent saw it change (its monotonic ns)."""
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,25 @@ class LocalProgress:
     reporting: int
 
 
-def fold(slots: Sequence[tuple[int, int] | None], running: frozenset[int]) -> LocalProgress | None:
+def track(
+    seen: Sequence[Seen | None], steps: Sequence[int | None], now_ns: int
+) -> list[Seen | None]:
+    """Note when each worker's step changed: ``now_ns`` for a new step, the old time for
+    the same step, None for a worker that has not reported (the workers write only the
+    step: no clock read on their side)."""
+    out: list[Seen | None] = []
+    for rank, step in enumerate(steps):
+        prev = seen[rank] if rank < len(seen) else None
+        if step is None:
+            out.append(None)
+        elif prev is not None and prev[0] == step:
+            out.append(prev)
+        else:
+            out.append((step, now_ns))
+    return out
+
+
+def fold(slots: Sequence[Seen | None], running: frozenset[int]) -> LocalProgress | None:
     """Fold the slots of the local ranks in ``running`` (None: no running worker has
     reported yet). A worker that exited (it finished, say) is not judged, and neither is
     one that never reported: the watch starts at a worker's first report."""
@@ -77,7 +100,7 @@ def publish_due(
 
 
 def tick_seconds(hang_timeout: float | None) -> float:
-    """How often the agent reads its workers' progress: ``timeout / 4``, at most 0.5 s."""
+    """How often the agent reads its workers' progress: ``timeout / 4``, at most 0.25 s."""
     if hang_timeout is None:
         return _MAX_TICK_S
     return min(_MAX_TICK_S, hang_timeout / 4)

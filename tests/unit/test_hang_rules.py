@@ -7,7 +7,15 @@ import json
 
 import pytest
 
-from agent.hang_rules import LocalProgress, Published, fold, hang_line, publish_due, tick_seconds
+from agent.hang_rules import (
+    LocalProgress,
+    Published,
+    fold,
+    hang_line,
+    publish_due,
+    tick_seconds,
+    track,
+)
 from coordinator.core.errors import CorruptValueError
 from coordinator.core.progress import (
     Blame,
@@ -82,10 +90,20 @@ def test_publish_due(
     assert publish_due(last, step, stalled, now, interval=1.0) is due
 
 
-def test_tick_is_a_quarter_of_the_timeout_at_most_half_a_second() -> None:
-    assert tick_seconds(None) == 0.5
+def test_tick_is_a_quarter_of_the_timeout_at_most_a_quarter_second() -> None:
+    assert tick_seconds(None) == 0.25
     assert tick_seconds(1.0) == 0.25
-    assert tick_seconds(3.0) == 0.5
+    assert tick_seconds(0.4) == 0.1
+
+
+def test_track_notes_when_each_step_changed_on_the_agents_clock() -> None:
+    seen = track([], [None, 5], now_ns=100)
+    assert seen == [None, (5, 100)]
+    seen = track(seen, [3, 5], now_ns=200)  # rank 0 reports, rank 1 still at 5
+    assert seen == [(3, 200), (5, 100)]
+    seen = track(seen, [4, 6], now_ns=300)
+    assert seen == [(4, 300), (6, 300)]
+    assert track(seen, [None, 6], now_ns=400) == [None, (6, 300)]  # reset for an attempt
 
 
 def test_hang_line_names_the_nodes_and_says_how_sure() -> None:
