@@ -26,8 +26,9 @@ __all__ = [
 # at most two ticks (plus a compare-and-swap): within "timeout + 1 s".
 _MAX_TICK_S = 0.25
 
-Seen = tuple[int, int]
-"""A worker's last step and when the agent saw it change (its monotonic ns)."""
+Seen = tuple[int, int, int]
+"""A worker's last step, its count of calls, and when the agent saw the count change
+(the agent's monotonic ns)."""
 
 
 @dataclass(frozen=True)
@@ -47,20 +48,20 @@ class LocalProgress:
 
 
 def track(
-    seen: Sequence[Seen | None], steps: Sequence[int | None], now_ns: int
+    seen: Sequence[Seen | None], slots: Sequence[tuple[int, int] | None], now_ns: int
 ) -> list[Seen | None]:
-    """Note when each worker's step changed: ``now_ns`` for a new step, the old time for
-    the same step, None for a worker that has not reported (the workers write only the
-    step: no clock read on their side)."""
+    """Note when each worker last reported: ``now_ns`` when its count of calls changed,
+    the old time otherwise, None for a worker that has not reported (the workers write
+    a step and a count: no clock read on their side)."""
     out: list[Seen | None] = []
-    for rank, step in enumerate(steps):
+    for rank, slot in enumerate(slots):
         prev = seen[rank] if rank < len(seen) else None
-        if step is None:
+        if slot is None:
             out.append(None)
-        elif prev is not None and prev[0] == step:
-            out.append(prev)
+        elif prev is not None and prev[1] == slot[1]:
+            out.append((slot[0], prev[1], prev[2]))
         else:
-            out.append((step, now_ns))
+            out.append((slot[0], slot[1], now_ns))
     return out
 
 
@@ -72,8 +73,8 @@ def fold(slots: Sequence[Seen | None], running: frozenset[int]) -> LocalProgress
     if not reports:
         return None
     return LocalProgress(
-        step=min(step for step, _ in reports),
-        last_ns=min(ns for _, ns in reports),
+        step=min(step for step, _, _ in reports),
+        last_ns=min(ns for _, _, ns in reports),
         reporting=len(reports),
     )
 

@@ -11,28 +11,31 @@ seconds is declared hung and the whole run re-forms (a counted restart on every 
 naming the node(s) that stopped first (``docs/hang-detection.md``). Without the agent
 (``python train.py``, stock ``torchrun``) the call does nothing.
 
-Cost: a function call and one 8-byte store, no system call and no clock read (measured
+Cost: a function call and two 8-byte stores, no system call and no clock read (measured
 by ``python -m benchmarks.progress_call``). The agent creates a small file and passes its
 path in ``ETCD_ELASTIC_PROGRESS_FILE``; the first call maps it into memory (slot
-``LOCAL_RANK``), every call then stores the step into the mapping. The agent reads the
-slots every fraction of a second, notes on its own monotonic clock when a step changed,
-and publishes the node's progress to etcd at most about once a second, so training steps
-never cause etcd writes. Progress means *the number changes*: pass the global step.
+``LOCAL_RANK``), every call then stores the step and the number of calls so far into the
+mapping. The agent reads the slots every fraction of a second, notes on its own
+monotonic clock when the count changed, and publishes the node's progress to etcd at most
+about once a second, so training steps never cause etcd writes. Every call is progress,
+even with the same step (an evaluation loop, a checkpoint may report the last step again).
 
 This module imports only the standard library (``mmap``, ``os``, ``struct``, ``tempfile``),
 so a worker pays nothing for it; the agent's reading side lives here too because both
 sides must agree on the layout:
 
     bytes 0-63               header: b"EEPROG2\\0", then the slot count (uint32, little endian)
-    bytes 64 + 64*i ... +8   slot of local rank i: the last step (int64, native order)
+    bytes 64 + 64*i ... +16  slot of local rank i: the last step, then the number of calls
+                             (two int64, native order)
 
-A slot holding ``NO_REPORT`` (the lowest int64) has not been written since the agent
-reset it for the attempt. The 8-byte store is aligned, so the agent never reads half of
-one.
+A slot whose count is 0 has not been written since the agent reset it for the attempt.
+Each 8-byte store is aligned, so the agent never reads half of one; it may read a new
+step with the old count, and then sees the count one tick later.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import mmap
 import os
@@ -40,7 +43,7 @@ import struct
 import sys
 import tempfile
 
-__all__ = ["PROGRESS_FILE_ENV", "ProgressFile", "report_progress"]
+__all__ = ["PROGRESS_FILE_ENV", "ProgressFile", "pause_progress", "report_progress"]
 
 PROGRESS_FILE_ENV = "ETCD_ELASTIC_PROGRESS_FILE"
 """Set by the agent for every worker: the progress file of its node."""
@@ -49,12 +52,10 @@ _MAGIC = b"EEPROG2\0"
 _HEADER = struct.Struct("<8sI")
 _HEADER_SIZE = 64
 _SLOT_SIZE = 64  # one cache line per worker: workers never share one
-NO_REPORT = -(2**63)
-"""What a slot holds until its worker reports (a step no training loop uses)."""
-
 # The worker side: resolved on the first call, then one store per call.
 _slots: memoryview | None = None
 _index = 0
+_calls = 0
 _resolved = False
 
 
@@ -65,9 +66,23 @@ def report_progress(step: int) -> None:
     included): a worker that stops calling it for ``--hang-timeout`` seconds is hung.
     Without ``etcdrun`` (no ``ETCD_ELASTIC_PROGRESS_FILE``) it returns at once.
     """
+    global _calls
     if _slots is None and (_resolved or not _open()):
         return
+    _calls += 1
     _slots[_index] = step  # type: ignore[index]
+    _slots[_index + 1] = _calls  # type: ignore[index]
+
+
+def pause_progress() -> None:
+    """Stop being watched until the next :func:`report_progress`.
+
+    For work after the training loop that reports nothing and may outlast
+    ``--hang-timeout`` (a final checkpoint or evaluation, tearing down the process
+    group). Called by itself when the interpreter exits. Does nothing without etcdrun.
+    """
+    if _slots is not None:
+        _slots[_index + 1] = 0  # a count of 0: "no report" for the agent
 
 
 def _open() -> bool:
@@ -90,6 +105,8 @@ def _open() -> bool:
         print(f"agent.progress: not reporting progress ({path}: {exc})", file=sys.stderr)
         return False
     _slots, _index = memoryview(mapped).cast("q"), (_HEADER_SIZE + slot * _SLOT_SIZE) // 8
+    # The interpreter's own shutdown (torch's exit handlers, joining threads) is no step.
+    atexit.register(pause_progress)
     return True
 
 
@@ -118,14 +135,16 @@ class ProgressFile:
     def reset(self) -> None:
         """Forget every report (call it while no worker runs: a new attempt starts)."""
         for slot in range(self.slots):
-            self._words[(_HEADER_SIZE + slot * _SLOT_SIZE) // 8] = NO_REPORT
+            word = (_HEADER_SIZE + slot * _SLOT_SIZE) // 8
+            self._words[word] = self._words[word + 1] = 0
 
-    def read(self) -> list[int | None]:
-        """The last step of each local rank; None: no report since the last reset."""
-        out: list[int | None] = []
+    def read(self) -> list[tuple[int, int] | None]:
+        """(last step, calls so far) of each local rank; None: no call since the reset."""
+        out: list[tuple[int, int] | None] = []
         for slot in range(self.slots):
-            step = self._words[(_HEADER_SIZE + slot * _SLOT_SIZE) // 8]
-            out.append(None if step == NO_REPORT else step)
+            word = (_HEADER_SIZE + slot * _SLOT_SIZE) // 8
+            calls = self._words[word + 1]
+            out.append((self._words[word], calls) if calls else None)
         return out
 
     def close(self) -> None:

@@ -47,10 +47,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
 try:
-    from agent.progress import report_progress
+    from agent.progress import pause_progress, report_progress
 except ImportError:  # run without etcd-elastic installed: progress goes nowhere
 
     def report_progress(step: int) -> None:
+        pass
+
+    def pause_progress() -> None:
         pass
 
 
@@ -342,8 +345,10 @@ def main(argv: list[str] | None = None) -> None:
             # Nobody starts the next epoch before the checkpoint of this one is in place,
             # so a failure there resumes from it on every rank.
             dist.barrier()
+            report_progress(global_step)  # the checkpoint was progress too
         if rank == 0:
             log.info("done: %d epochs", args.epochs)
+        pause_progress()  # tearing down is no training step
     finally:
         dist.destroy_process_group()
 

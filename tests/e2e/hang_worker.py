@@ -26,7 +26,7 @@ def main() -> None:
     for step in range(args.steps):
         time.sleep(args.step_seconds)
         if hang and step == args.hang_at_step:
-            print(f"hanging in step {step}", flush=True)
+            print(f"hanging in step {step} at {time.time():.3f}", flush=True)
             time.sleep(3600)
         if not args.no_report:
             report_progress(step)

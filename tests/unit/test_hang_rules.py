@@ -65,7 +65,7 @@ def test_who_stopped_first(
 
 
 def test_fold_judges_running_workers_that_reported() -> None:
-    slots = [(10, 5_000), None, (9, 7_000), (3, 1_000)]
+    slots = [(10, 4, 5_000), None, (9, 3, 7_000), (3, 1, 1_000)]
     # rank 3 exited (not running); rank 1 never reported
     assert fold(slots, frozenset({0, 1, 2})) == LocalProgress(step=9, last_ns=5_000, reporting=2)
     assert fold(slots, frozenset({1})) is None
@@ -96,14 +96,17 @@ def test_tick_is_a_quarter_of_the_timeout_at_most_a_quarter_second() -> None:
     assert tick_seconds(0.4) == 0.1
 
 
-def test_track_notes_when_each_step_changed_on_the_agents_clock() -> None:
-    seen = track([], [None, 5], now_ns=100)
-    assert seen == [None, (5, 100)]
-    seen = track(seen, [3, 5], now_ns=200)  # rank 0 reports, rank 1 still at 5
-    assert seen == [(3, 200), (5, 100)]
-    seen = track(seen, [4, 6], now_ns=300)
-    assert seen == [(4, 300), (6, 300)]
-    assert track(seen, [None, 6], now_ns=400) == [None, (6, 300)]  # reset for an attempt
+def test_track_notes_when_each_worker_last_called_on_the_agents_clock() -> None:
+    seen = track([], [None, (5, 1)], now_ns=100)
+    assert seen == [None, (5, 1, 100)]
+    seen = track(seen, [(3, 1), (5, 1)], now_ns=200)  # rank 0 reports, rank 1 did not call
+    assert seen == [(3, 1, 200), (5, 1, 100)]
+    # rank 1 called again with the same step (an evaluation loop): progress all the same
+    seen = track(seen, [(4, 2), (5, 2)], now_ns=300)
+    assert seen == [(4, 2, 300), (5, 2, 300)]
+    # a new step read before its count (the two stores are not one): seen at the count
+    assert track(seen, [(6, 2), (5, 2)], now_ns=350) == [(6, 2, 300), (5, 2, 300)]
+    assert track(seen, [None, (5, 2)], now_ns=400) == [None, (5, 2, 300)]  # reset
 
 
 def test_hang_line_names_the_nodes_and_says_how_sure() -> None:

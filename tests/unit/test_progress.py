@@ -36,11 +36,12 @@ def test_a_fresh_file_has_no_report(tmp_path: Path) -> None:
 def test_each_worker_writes_its_own_slot_and_reset_forgets(tmp_path: Path) -> None:
     f = ProgressFile(2, str(tmp_path))
     try:
-        code = "from agent.progress import report_progress as r; r(7); r(8)"
+        # os._exit: no exit handler, so the slot keeps what the worker wrote last
+        code = "import os; from agent.progress import report_progress as r; r(7); r(8); os._exit(0)"
         out = _run(code, {PROGRESS_FILE_ENV: f.path, "LOCAL_RANK": "1"})
         assert out.returncode == 0, out.stderr
         assert out.stderr == ""
-        assert f.read() == [None, 8]
+        assert f.read() == [None, (8, 2)]  # the last step, and two calls
         f.reset()
         assert f.read() == [None, None]
     finally:
@@ -106,14 +107,41 @@ def test_a_file_needs_a_slot() -> None:
         ProgressFile(0)
 
 
-def test_step_zero_and_negative_steps_are_reports(tmp_path: Path) -> None:
+def test_every_call_counts_whatever_the_step(tmp_path: Path) -> None:
     f = ProgressFile(1, str(tmp_path))
     try:
-        code = "from agent.progress import report_progress as r; r(0)"
+        code = "import os; from agent.progress import report_progress as r; r(0); os._exit(0)"
         assert _run(code, {PROGRESS_FILE_ENV: f.path, "LOCAL_RANK": "0"}).returncode == 0
-        assert f.read() == [0]
-        code = "from agent.progress import report_progress as r; r(-5)"
+        assert f.read() == [(0, 1)]
+        code = (
+            "import os; from agent.progress import report_progress as r\n"
+            "r(-5); r(-5); r(-5); os._exit(0)"
+        )
         assert _run(code, {PROGRESS_FILE_ENV: f.path, "LOCAL_RANK": "0"}).returncode == 0
-        assert f.read() == [-5]
+        assert f.read() == [(-5, 3)]
+    finally:
+        f.close()
+
+
+def test_a_paused_worker_is_not_watched_until_it_reports_again(tmp_path: Path) -> None:
+    f = ProgressFile(1, str(tmp_path))
+    try:
+        env = {PROGRESS_FILE_ENV: f.path, "LOCAL_RANK": "0"}
+        code = (
+            "import os\n"
+            "from agent.progress import pause_progress as p, report_progress as r\n"
+            "r(1); r(2); p(); print('paused', flush=True)\n"
+            "r(3); os._exit(0)\n"  # no exit handler: the slot keeps step 3
+        )
+        assert _run(code, env).stdout == "paused\n"
+        assert f.read() == [(3, 3)]  # the count goes on from where it was
+        code = "from agent.progress import pause_progress as p, report_progress as r; r(1); p()"
+        assert _run(code, env).returncode == 0
+        assert f.read() == [None]
+        code = "from agent.progress import report_progress as r; r(9)"  # exits normally
+        assert _run(code, env).returncode == 0
+        assert f.read() == [None], "the interpreter's exit pauses the worker"
+        code = "from agent.progress import pause_progress as p; p()"  # before any report
+        assert _run(code, {}).returncode == 0
     finally:
         f.close()
