@@ -187,7 +187,9 @@ class HangWatch:
             except EtcdElasticError as exc:
                 # etcd unreachable or refusing: training goes on; say it once.
                 if not self._warned:
-                    log.warning("node %s: progress not published: %s", self._node, exc)
+                    log.warning(
+                        "node %s: progress or hang not written to etcd: %s", self._node, exc
+                    )
                     self._warned = True
 
     def _observe(self, round: int, local: LocalProgress) -> None:
