@@ -49,6 +49,8 @@ from agent.ending import (
     release_exit_barrier,
 )
 from agent.errorfile import Failure, root_cause
+from agent.hang import HangWatch, HangWatchDied, running_ranks
+from agent.hang_rules import hang_line
 from agent.history import NODE_ENV
 from agent.launches import build_launches, warm_templates
 from agent.logs import LogSpec, RunLogDir
@@ -64,6 +66,7 @@ from agent.workers import (
     WorkerStartError,
     omp_num_threads,
 )
+from coordinator.core.state import Hang
 
 __all__ = ["Agent", "signal_exit_code"]
 
@@ -125,6 +128,13 @@ class Agent:
         self._failures: dict[int, Failure] = {}
         self._report: str | None = None
         self._hostname = socket.gethostname()
+        # Every worker gets the path of the node's progress file (agent.progress).
+        self._hang = HangWatch(
+            config.hang_timeout, config.nproc_per_node, handler,
+            lambda: running_ranks(self._group), self.wake,
+            on_step=self._metrics.progress_step,
+        )  # fmt: skip
+        self._base_env.update(self._hang.env)
         self._history = RoundRecorder(handler, self._base_env)
         self._logdir = RunLogDir(config.log_dir, handler.get_run_id())
         self._logspec = LogSpec(
@@ -216,6 +226,7 @@ class Agent:
             return code
         finally:
             self._stop_group(reason="exit")
+            self._hang.close()
             self._warm.close()
             if unsubscribe is not None:
                 unsubscribe()
@@ -248,7 +259,7 @@ class Agent:
     def _loop(self) -> int | None:
         try:
             return self._monitor()
-        except WorkerStartError as exc:
+        except (WorkerStartError, HangWatchDied) as exc:
             return self._give_up(str(exc))
         except RendezvousGracefulExitError as exc:
             # The job ended while this node waited outside its round (a spare, on the wait
@@ -279,6 +290,9 @@ class Agent:
                 return self._drain()
             group = self._group
             state = group.state() if group is not None else WorkerState.UNKNOWN
+            hang = self._hang.declared() if state is WorkerState.HEALTHY else None
+            if hang is not None:
+                state = WorkerState.UNHEALTHY  # stuck workers: a counted restart
             if self._must_stop_for_closed_run(state):
                 self._stop_for_closed_run(state)
             else:
@@ -289,9 +303,12 @@ class Agent:
                 if step is Step.SUCCEED:
                     return self._succeed()
                 if step is Step.FAIL:
+                    if hang is not None:
+                        self._failures = {}  # none failed: they were stuck
+                        return self._give_up(f"no restart left: {hang_line(hang)}")
                     self._failures = collect_failures(self._group) or self._failures
                     return self._give_up(None)
-                self._before_restart(step, state)
+                self._before_restart(step, state, hang)
             if not self._start_round():
                 break
         return None
@@ -338,10 +355,12 @@ class Agent:
         )
         return 0
 
-    def _before_restart(self, step: Step, state: WorkerState) -> None:
+    def _before_restart(self, step: Step, state: WorkerState, hang: Hang | None) -> None:
         """Count (or not) the restart ``step`` asks for, say why, and stop the workers."""
-        self._metrics.restarted(restart_cause(step, state))
-        if step is Step.RESTART_COUNTED:
+        self._metrics.restarted("hang" if hang is not None else restart_cause(step, state))
+        if hang is not None:
+            self._restart_for_hang(hang)
+        elif step is Step.RESTART_COUNTED:
             self._failures = collect_failures(self._group) or self._failures
             self._budget.charge(self._group_world_size)
             self._metrics.restarts_left(self._budget.left)
@@ -357,7 +376,20 @@ class Agent:
             )
         else:
             log.info("%s: membership changed; restarting (not counted)", self._ctx())
-        self._stop_group(reason="failure" if step is Step.RESTART_COUNTED else "membership")
+        counted = "hang" if hang is not None else "failure"
+        self._stop_group(reason=counted if step is Step.RESTART_COUNTED else "membership")
+
+    def _restart_for_hang(self, hang: Hang) -> None:
+        """A hang was declared in this node's round (by this node or another): count the
+        restart on this node, as every participant does, and say who stopped first.
+        The one place every node handles a hang (the declaring node also calls
+        ``HangWatch``'s ``on_hang``)."""
+        self._budget.charge(self._group_world_size)
+        self._metrics.restarts_left(self._budget.left)
+        log.warning(
+            "%s: %s; restarting the workers, %d of %d restarts left",
+            self._ctx(), hang_line(hang), self._budget.left, self._config.max_restarts,
+        )  # fmt: skip
 
     def _must_stop_for_closed_run(self, state: WorkerState) -> bool:
         # Only a handler that pushes events (ours) is asked: it answers from memory,
@@ -390,6 +422,7 @@ class Agent:
         return self._config.entrypoint
 
     def _stop_group(self, sig: signal.Signals = signal.SIGTERM, *, reason: str) -> None:
+        self._hang.pause()  # stopped workers make no progress: judge none
         group = self._group
         if group is not None and group.state() is not WorkerState.STOPPED:
             group.stop(self._config.stop_grace_period, sig)
@@ -456,6 +489,7 @@ class Agent:
             attempt_dir,
         )
         self._wake.clear()
+        self._hang.begin(getattr(self._handler, "last_round", self._attempt))
         self._group = WorkerGroup(
             launches, self.wake, console_out=self._console_out, console_err=self._console_err,
             warm=self._warm, interrupted=self._wake,

@@ -28,6 +28,7 @@ from agent import devices
 from agent.cli_parser import IGNORED_FLAGS, build_parser
 from agent.cli_values import (
     UsageError,
+    parse_hang_timeout,
     parse_metrics,
     parse_modules,
     parse_nnodes,
@@ -270,6 +271,7 @@ def _config(
         drain_signal=(
             None if ns.drain_signal is None else parse_signal("--drain-signal", ns.drain_signal)
         ),
+        hang_timeout=None if ns.hang_timeout is None else parse_hang_timeout(ns.hang_timeout),
         role=ns.role.strip(),
         log_dir=ns.log_dir or None,
         redirects=parse_std_map("--redirects", ns.redirects, nproc),

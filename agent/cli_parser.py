@@ -243,6 +243,16 @@ def build_parser(*, environ: Mapping[str, str] | None = None) -> argparse.Argume
     )
     option(
         run,
+        "--hang-timeout",
+        "--hang_timeout",
+        default=None,
+        metavar="SECONDS",
+        help="re-form the run (a counted restart on every node) when a node's workers "
+        "report no progress (agent.progress.report_progress) for this long, naming the "
+        "node(s) that stopped first; at least 1 (default: off)",
+    )
+    option(
+        run,
         "--start-method",
         "--start_method",
         default="spawn",

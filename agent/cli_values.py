@@ -13,7 +13,9 @@ import signal
 from agent.config import Std
 
 __all__ = [
+    "MIN_HANG_TIMEOUT",
     "UsageError",
+    "parse_hang_timeout",
     "parse_metrics",
     "parse_modules",
     "parse_nnodes",
@@ -81,6 +83,23 @@ def parse_seconds(flag: str, text: str, *, zero_ok: bool) -> float:
         raise UsageError(flag, f"{text!r} is not a number; give {what}") from None
     if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
         raise UsageError(flag, f"{text!r} is out of range; give {what}")
+    return value
+
+
+MIN_HANG_TIMEOUT = 1.0
+"""The shortest --hang-timeout: progress reaches etcd at most once a second, and the
+node that declares a hang must see the others' last steps to name who stopped first."""
+
+
+def parse_hang_timeout(text: str) -> float:
+    """``--hang-timeout``: seconds, at least :data:`MIN_HANG_TIMEOUT`."""
+    what = f"a number of seconds of at least {MIN_HANG_TIMEOUT:g} (leave the flag out: off)"
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError("--hang-timeout", f"{text!r} is not a number; give {what}") from None
+    if not math.isfinite(value) or value < MIN_HANG_TIMEOUT:
+        raise UsageError("--hang-timeout", f"{text!r} is out of range; give {what}")
     return value
 
 

@@ -59,6 +59,9 @@ class LaunchConfig:
         metrics_port: where Prometheus metrics are served (``--metrics-port``; 0: any
             free port); None: no metrics endpoint.
         metrics_addr: the address it listens on (``--metrics-addr``).
+        hang_timeout: ``--hang-timeout``: seconds a node's workers may report no progress
+            (``agent.progress.report_progress``) before the run re-forms, a counted
+            restart on every node (``docs/hang-detection.md``). None: off.
     """
 
     min_nodes: int
@@ -94,3 +97,4 @@ class LaunchConfig:
     drain_signal: signal.Signals | None = None
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
+    hang_timeout: float | None = None

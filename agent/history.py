@@ -26,7 +26,8 @@ Agent events (``src="agent"``; written by the agent when ``ETCD_ELASTIC_HISTORY`
     The agent stopped (or found stopped) its worker group of ``round``; ``reason`` is
     ``failure`` (a worker failed: a counted restart), ``membership`` (a node joined or
     left), ``stop`` (a signal), ``success``, ``lease`` (this node's lease was lost),
-    ``closed`` (the run was closed) or another word the agent documents.
+    ``closed`` (the run was closed), ``hang`` (a hang was declared in the round: a
+    counted restart) or another word the agent documents.
 ``agent_exit`` {node, code}
     The agent is about to exit with ``code``.
 

@@ -48,7 +48,7 @@ __all__ = [
     "running_workers",
 ]
 
-RESTART_CAUSES = ("worker_failure", "unhealthy", "membership_change")
+RESTART_CAUSES = ("worker_failure", "hang", "unhealthy", "membership_change")
 """Values of ``etcd_elastic_restarts_total``'s ``cause`` label (see :func:`restart_cause`)."""
 
 # Seconds: a call is ~1 ms on a healthy cluster; failover and backoff reach the retry

@@ -16,7 +16,14 @@ worker exit 1 once (a marker file in the checkpoint folder remembers it happened
 error file gets the traceback; ``--sleep-per-step`` keeps the job running while a test
 changes the membership; ``--report`` appends one JSON line per worker and attempt;
 ``--checkpoint-on-signal SIGUSR1`` saves this rank's state and exits 0 on that signal
-(what a preempted worker does with etcdrun's ``--drain-signal``).
+(what a preempted worker does with etcdrun's ``--drain-signal``); ``--hang-once-at-step``
+/``--hang-rank`` make one worker sleep for an hour inside that (global) step once, after
+the step's collectives and before it reports the step: what etcdrun's ``--hang-timeout``
+detects.
+
+Every step ends with ``report_progress(global_step)`` (``agent.progress``): one line that
+lets ``etcdrun --hang-timeout`` notice a worker that is alive but stuck. Without etcdrun
+(or without etcd-elastic installed) it does nothing.
 """
 
 from __future__ import annotations
@@ -38,6 +45,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
+
+try:
+    from agent.progress import pause_progress, report_progress
+except ImportError:  # run without etcd-elastic installed: progress goes nowhere
+
+    def report_progress(step: int) -> None:
+        pass
+
+    def pause_progress() -> None:
+        pass
+
 
 log = logging.getLogger("train_ddp")
 
@@ -65,6 +83,7 @@ TORCHRUN_ENV = (
 
 CHECKPOINT = "checkpoint.pt"
 FAILED_ONCE_MARKER = "failed-once.marker"
+HUNG_ONCE_MARKER = "hung-once.marker"
 FEATURES = 8
 SAMPLES_PER_STEP = 32
 
@@ -80,6 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fail-rank", type=int, default=0, metavar="R")
     parser.add_argument("--always-fail-rank", type=int, default=None, metavar="R")
     parser.add_argument("--sleep-per-step", type=float, default=0.0, metavar="S")
+    parser.add_argument("--hang-once-at-step", type=int, default=None, metavar="N")
+    parser.add_argument("--hang-rank", type=int, default=0, metavar="R")
     parser.add_argument("--report", type=Path, default=None, metavar="FILE")
     parser.add_argument("--checkpoint-on-signal", default=None, metavar="SIGNAL",
                         help="on this signal (e.g. SIGUSR1, etcdrun's --drain-signal), save "
@@ -90,7 +111,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--epochs and --steps-per-epoch must be at least 1")
     if args.fail_once_at_epoch is not None and args.checkpoint_dir is None:
         parser.error("--fail-once-at-epoch needs --checkpoint-dir (it keeps the marker file)")
+    if args.hang_once_at_step is not None and args.checkpoint_dir is None:
+        parser.error("--hang-once-at-step needs --checkpoint-dir (it keeps the marker file)")
     return args
+
+
+def hang_once(args: argparse.Namespace, global_step: int, rank: int) -> None:
+    """Sleep an hour in ``--hang-once-at-step`` on ``--hang-rank``, the first time only:
+    a worker alive but stuck (its peers wait for it in the next step's collective)."""
+    if args.hang_once_at_step != global_step or args.hang_rank != rank:
+        return
+    marker = args.checkpoint_dir / HUNG_ONCE_MARKER
+    if marker.exists():
+        return
+    marker.write_text(f"rank {rank} hung at step {global_step}\n")
+    log.info("hanging inside step %d (as a stuck data loader or file system would)", global_step)
+    time.sleep(3600)
 
 
 def _free_port() -> int:
@@ -296,6 +332,9 @@ def main(argv: list[str] | None = None) -> None:
                 total += loss.detach()
                 if args.sleep_per_step > 0:
                     time.sleep(args.sleep_per_step)
+                global_step = epoch * args.steps_per_epoch + step
+                hang_once(args, global_step, rank)
+                report_progress(global_step)
             dist.all_reduce(total)
             mean_loss = float(total.item()) / (args.steps_per_epoch * world_size)
             if rank == 0:
@@ -306,8 +345,10 @@ def main(argv: list[str] | None = None) -> None:
             # Nobody starts the next epoch before the checkpoint of this one is in place,
             # so a failure there resumes from it on every rank.
             dist.barrier()
+            report_progress(global_step)  # the checkpoint was progress too
         if rank == 0:
             log.info("done: %d epochs", args.epochs)
+        pause_progress()  # tearing down is no training step
     finally:
         dist.destroy_process_group()
 

@@ -5,6 +5,8 @@ Layout (documented for operators in ``docs/keys.md``)::
     <key_prefix>/<run_id>/state                          the agreed state (CAS on mod_revision)
     <key_prefix>/<run_id>/nodes/<node_id>                one record per node, on its lease
     <key_prefix>/<run_id>/store/<round>/<encoded key>    the torch Store of one round
+    <key_prefix>/<run_id>/progress/<node_id>             a node's last training progress,
+                                                         on its lease (hang detection)
 
 Nothing in a key comes unescaped from user input: run ids, key prefixes and node ids use a
 closed character set (so ``job`` can never be a prefix of ``job/x``'s keys: ``/`` is not
@@ -241,6 +243,35 @@ class RunKeys:
             return validate_node_id(tail.decode("ascii"))
         except (UnicodeDecodeError, ConfigError):
             raise CorruptValueError(shown, "the part after nodes/ is not a node id") from None
+
+    @property
+    def progress_prefix(self) -> bytes:
+        """``…/progress/``: the folder of per-node progress records (hang detection).
+
+        Apart from ``nodes/`` so that progress never wakes the coordinator's watch."""
+        return self.run_prefix + b"progress/"
+
+    def progress(self, node_id: str) -> bytes:
+        """The progress key of ``node_id``.
+
+        Raises:
+            ConfigError: ``node_id`` is not a valid node id.
+        """
+        return self.progress_prefix + validate_node_id(node_id).encode("ascii")
+
+    def node_id_from_progress_key(self, key: bytes) -> str:
+        """Return the node id of a progress key of this run.
+
+        Raises:
+            CorruptValueError: ``key`` is not ``<progress_prefix><valid node id>``.
+        """
+        shown = key.decode("utf-8", "backslashreplace")
+        if not key.startswith(self.progress_prefix):
+            raise CorruptValueError(shown, f"not under {self.progress_prefix.decode('ascii')}")
+        try:
+            return validate_node_id(key[len(self.progress_prefix) :].decode("ascii"))
+        except (UnicodeDecodeError, ConfigError):
+            raise CorruptValueError(shown, "the part after progress/ is not a node id") from None
 
     @property
     def store_root(self) -> bytes:

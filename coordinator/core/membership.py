@@ -69,6 +69,12 @@ class NodeMembership:
             return None
         return membership
 
+    def lease_id(self) -> int:
+        """The lease this node's key hangs on while it lives, else 0."""
+        with self._lock:
+            session = self._session
+        return 0 if session is None or session.lost() else session.lease_id
+
     def lost(self) -> bool:
         """Whether this node had a lease and etcd said it is gone."""
         with self._lock:

@@ -32,6 +32,7 @@ __all__ = [
     "MAX_ROUND",
     "SCHEMA_VERSION",
     "CloseMode",
+    "Hang",
     "NodeInfo",
     "RdzvState",
     "decode_node",
@@ -70,6 +71,31 @@ _CLOSE_MODE_NAMES: dict[int, CloseMode] = {
 
 
 @dataclass(frozen=True)
+class Hang:
+    """A hang declared in a round (``--hang-timeout``): see ``docs/hang-detection.md``.
+
+    Attributes:
+        round: the round whose workers hung; every participant of it restarts (counted).
+        nodes: the node(s) that stopped first.
+        step: the step those nodes reported last.
+        behind: True when ``nodes`` are at a lower step than the other reporting nodes;
+            False when every reporting node stopped at the same step (``nodes`` is then
+            the node that reached the timeout first).
+        declared_by: the node that declared it.
+        stalled_ms: how long the declaring node's workers had made no progress.
+        declared_at_unix_ms: the declaring node's wall clock (informational).
+    """
+
+    round: int
+    nodes: tuple[str, ...]
+    step: int
+    behind: bool = False
+    declared_by: str = ""
+    stalled_ms: int = 0
+    declared_at_unix_ms: int = 0
+
+
+@dataclass(frozen=True)
 class RdzvState:
     """The agreed state of one run.
 
@@ -86,6 +112,7 @@ class RdzvState:
         incarnation: which start of the run this is (1, 2, ...): a closed run whose every
             node has left is started again as ``incarnation + 1``.
         draining: nodes an operator asked to leave (``rdzvctl drain``).
+        hang: the last hang declared (None: none); it concerns ``hang.round`` only.
     """
 
     round: int = 0
@@ -103,6 +130,7 @@ class RdzvState:
     closed_at_unix_ms: int = 0
     incarnation: int = 1
     draining: tuple[str, ...] = ()
+    hang: Hang | None = None
 
     def rank_of(self, node_id: str) -> int | None:
         """The group rank of ``node_id`` in ``round``, or None if not a participant."""
@@ -203,6 +231,15 @@ def encode_state(state: RdzvState) -> bytes:
         incarnation=state.incarnation,
         draining=list(state.draining),
     )
+    if state.hang is not None:
+        h = state.hang
+        msg.hang.CopyFrom(
+            pb.Hang(
+                round=h.round, nodes=list(h.nodes), step=h.step, behind=h.behind,
+                declared_by=h.declared_by, stalled_ms=h.stalled_ms,
+                declared_at_unix_ms=h.declared_at_unix_ms,
+            )
+        )  # fmt: skip
     return _to_json(msg)
 
 
@@ -249,7 +286,21 @@ def _decode_state_cached(key: str, raw: bytes) -> RdzvState:
         closed_at_unix_ms=msg.closed_at_unix_ms,
         incarnation=_incarnation(key, msg.incarnation),
         draining=tuple(msg.draining),
+        hang=_hang(key, msg),
     )
+
+
+def _hang(key: str, msg: pb.RendezvousState) -> Hang | None:
+    if not msg.HasField("hang"):
+        return None
+    h = msg.hang
+    if not 0 < h.round <= MAX_ROUND + 1 or not h.nodes:
+        raise CorruptValueError(key, f"hang of round {h.round} names no node or no valid round")
+    return Hang(
+        round=h.round, nodes=tuple(h.nodes), step=h.step, behind=h.behind,
+        declared_by=h.declared_by, stalled_ms=h.stalled_ms,
+        declared_at_unix_ms=h.declared_at_unix_ms,
+    )  # fmt: skip
 
 
 def encode_node(node: NodeInfo) -> bytes:

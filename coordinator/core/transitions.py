@@ -38,7 +38,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from coordinator.core.state import CloseMode, NodeInfo, RdzvState
+from coordinator.core.state import CloseMode, Hang, NodeInfo, RdzvState
 
 __all__ = [
     "Action",
@@ -50,6 +50,7 @@ __all__ = [
     "close",
     "decide_coordinator",
     "decide_node",
+    "declare_hang",
     "drain",
     "incarnation_to_join",
     "is_spare",
@@ -160,6 +161,9 @@ class ActionKind(enum.Enum):
     ADD_TO_DRAINING = "add_to_draining"
     #: A draining node's key is gone: it left.
     REMOVE_FROM_DRAINING = "remove_from_draining"
+    #: A node's workers made no progress for ``--hang-timeout``: record the hang of the
+    #: current round; every participant restarts its workers (a counted restart).
+    DECLARE_HANG = "declare_hang"
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,8 @@ class Action:
     # MARK_RENDEZVOUS_CLOSED only:
     reason: str = ""
     mode: CloseMode = "unspecified"
+    # DECLARE_HANG only:
+    hang: Hang | None = None
 
 
 @dataclass(frozen=True)
@@ -360,6 +366,8 @@ def apply(
             state = replace(state, draining=_with(state.draining, ids))
         elif kind is ActionKind.REMOVE_FROM_DRAINING:
             state = replace(state, draining=_without(state.draining, ids))
+        elif kind is ActionKind.DECLARE_HANG:
+            state = replace(state, hang=action.hang)
         elif kind is ActionKind.START_INCARNATION:
             state = RdzvState(round=state.round, incarnation=state.incarnation + 1)
     return replace(state, written_by=written_by) if written_by else state
@@ -386,6 +394,21 @@ def drain(state: RdzvState, node_id: str) -> tuple[Action, ...]:
     if node_id in state.draining:
         return ()
     return (Action(ActionKind.ADD_TO_DRAINING, (node_id,)),)
+
+
+def declare_hang(state: RdzvState, hang: Hang) -> tuple[Action, ...]:
+    """The actions that record ``hang`` (none if it must not be recorded).
+
+    At most one hang per round: none is recorded when the state already holds one for
+    ``hang.round`` (another node declared it first: every node then follows that one),
+    when ``hang.round`` is not the current round (it re-formed meanwhile: the hang is
+    over), or when the run is closed.
+    """
+    if state.closed or hang.round != state.round:
+        return ()
+    if state.hang is not None and state.hang.round == hang.round:
+        return ()
+    return (Action(ActionKind.DECLARE_HANG, hang=hang),)
 
 
 def to_restore(last_good: RdzvState, store_floor: int) -> RdzvState | None:

@@ -28,7 +28,7 @@ class Participant(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class RendezvousState(_message.Message):
-    __slots__ = ("schema_version", "round", "complete", "closed", "participants", "wait_list", "redundancy_list", "lost", "closed_reason", "completed_at_unix_ms", "written_by", "master_addr", "master_port", "close_mode", "closed_at_unix_ms", "incarnation", "draining")
+    __slots__ = ("schema_version", "round", "complete", "closed", "participants", "wait_list", "redundancy_list", "lost", "closed_reason", "completed_at_unix_ms", "written_by", "master_addr", "master_port", "close_mode", "closed_at_unix_ms", "incarnation", "draining", "hang")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class RendezvousState(_message.Message):
     CLOSED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    HANG_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     round: int
     complete: bool
@@ -63,7 +64,50 @@ class RendezvousState(_message.Message):
     closed_at_unix_ms: int
     incarnation: int
     draining: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, schema_version: _Optional[int] = ..., round: _Optional[int] = ..., complete: _Optional[bool] = ..., closed: _Optional[bool] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., wait_list: _Optional[_Iterable[str]] = ..., redundancy_list: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[str]] = ..., closed_reason: _Optional[str] = ..., completed_at_unix_ms: _Optional[int] = ..., written_by: _Optional[str] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., close_mode: _Optional[_Union[CloseMode, str]] = ..., closed_at_unix_ms: _Optional[int] = ..., incarnation: _Optional[int] = ..., draining: _Optional[_Iterable[str]] = ...) -> None: ...
+    hang: Hang
+    def __init__(self, schema_version: _Optional[int] = ..., round: _Optional[int] = ..., complete: _Optional[bool] = ..., closed: _Optional[bool] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., wait_list: _Optional[_Iterable[str]] = ..., redundancy_list: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[str]] = ..., closed_reason: _Optional[str] = ..., completed_at_unix_ms: _Optional[int] = ..., written_by: _Optional[str] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., close_mode: _Optional[_Union[CloseMode, str]] = ..., closed_at_unix_ms: _Optional[int] = ..., incarnation: _Optional[int] = ..., draining: _Optional[_Iterable[str]] = ..., hang: _Optional[_Union[Hang, _Mapping]] = ...) -> None: ...
+
+class Hang(_message.Message):
+    __slots__ = ("round", "nodes", "step", "behind", "declared_by", "stalled_ms", "declared_at_unix_ms")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BEHIND_FIELD_NUMBER: _ClassVar[int]
+    DECLARED_BY_FIELD_NUMBER: _ClassVar[int]
+    STALLED_MS_FIELD_NUMBER: _ClassVar[int]
+    DECLARED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    step: int
+    behind: bool
+    declared_by: str
+    stalled_ms: int
+    declared_at_unix_ms: int
+    def __init__(self, round: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., behind: _Optional[bool] = ..., declared_by: _Optional[str] = ..., stalled_ms: _Optional[int] = ..., declared_at_unix_ms: _Optional[int] = ...) -> None: ...
+
+class NodeProgress(_message.Message):
+    __slots__ = ("schema_version", "node_id", "round", "step", "age_ms", "reported_at_unix_ms", "workers_reporting", "local_world_size", "stalled", "hang_timeout_ms")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    REPORTED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_REPORTING_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STALLED_FIELD_NUMBER: _ClassVar[int]
+    HANG_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    node_id: str
+    round: int
+    step: int
+    age_ms: int
+    reported_at_unix_ms: int
+    workers_reporting: int
+    local_world_size: int
+    stalled: bool
+    hang_timeout_ms: int
+    def __init__(self, schema_version: _Optional[int] = ..., node_id: _Optional[str] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., age_ms: _Optional[int] = ..., reported_at_unix_ms: _Optional[int] = ..., workers_reporting: _Optional[int] = ..., local_world_size: _Optional[int] = ..., stalled: _Optional[bool] = ..., hang_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class NodeRecord(_message.Message):
     __slots__ = ("schema_version", "node_id", "addr", "hostname", "pid", "local_world_size", "role", "wanted_round", "lease_id", "started_at_unix_ms", "free_port", "incarnation")

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from coordinator.rdzvctl.model import NodeView, RunSnapshot, joining, phase
+from coordinator.rdzvctl.progress_format import hang_json, progress_json, progress_lines
 
 if TYPE_CHECKING:
     # Types only: status and list need neither gc's writer nor the watch loop.
@@ -182,6 +183,7 @@ def status_lines(
     if node_rows:
         headers = ["NODE", "ASKS FOR ROUND", "IS", "LEASE (hex)", "LEASE LEFT", "ROLE"]
         lines.extend(table(headers, node_rows))
+    lines.extend(progress_lines(snapshot, now_ms))
     lines.append(f"store:           {snapshot.store_keys} key(s)")
     if snapshot.foreign_keys:
         lines.append(f"foreign keys:    {_list(snapshot.foreign_keys)}")
@@ -240,6 +242,7 @@ def status_json(snapshot: RunSnapshot) -> dict[str, Any]:
         "lost": list(state.lost),
         "draining": list(state.draining),
         "joining": list(joining(snapshot)),
+        "hang": hang_json(state.hang),
     }
     current = phase(snapshot)
     if current == "unreadable":
@@ -252,6 +255,7 @@ def status_json(snapshot: RunSnapshot) -> dict[str, Any]:
         **from_state,
         "state_mod_revision": snapshot.state_mod_revision,
         "nodes": [_node_json(snapshot, n) for n in snapshot.nodes],
+        "progress": progress_json(snapshot),
         "store_keys": snapshot.store_keys,
         "foreign_keys": list(snapshot.foreign_keys),
         "errors": list(snapshot.errors),

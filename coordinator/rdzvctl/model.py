@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from coordinator.core.errors import ConfigError, CorruptValueError
 from coordinator.core.keys import RunKeys, validate_run_id
+from coordinator.core.progress import NodeProgress, decode_progress
 from coordinator.core.state import NodeInfo, RdzvState, decode_node, decode_state
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ __all__ = [
     "RunList",
     "RunSnapshot",
     "decode_nodes",
+    "decode_progresses",
     "joining",
     "list_runs",
     "phase",
@@ -73,7 +75,8 @@ class RunSnapshot:
             follows applies only changes newer than the read that covered the key.
         nodes: live node records, oldest key first (the coordinator is the first).
         store_keys: how many keys the run's torch Store holds (all rounds).
-        foreign_keys: keys under the run that are not state, nodes/ or store/.
+        progress: readable progress records (``progress/``), by node id.
+        foreign_keys: keys under the run that are not state, nodes/, progress/ or store/.
         errors: one message per value that did not decode, each naming its key.
         unreadable_keys: the keys of those values, as text.
     """
@@ -85,6 +88,7 @@ class RunSnapshot:
     nodes: tuple[NodeView, ...]
     nodes_revision: int
     store_keys: int = 0
+    progress: tuple[NodeProgress, ...] = ()
     foreign_keys: tuple[str, ...] = ()
     errors: tuple[str, ...] = ()
     unreadable_keys: tuple[str, ...] = ()
@@ -174,6 +178,28 @@ def decode_nodes(
     return tuple(nodes), tuple(errors)
 
 
+def decode_progresses(
+    keys: RunKeys, kvs: list[KeyValue]
+) -> tuple[tuple[NodeProgress, ...], tuple[CorruptValueError, ...]]:
+    """Decode progress keys, sorted by node id; one error per unreadable one."""
+    out: list[NodeProgress] = []
+    errors: list[CorruptValueError] = []
+    for kv in kvs:
+        shown = kv.key.decode("utf-8", "backslashreplace")
+        try:
+            node_id = keys.node_id_from_progress_key(kv.key)
+            record = decode_progress(shown, kv.value)
+            if record.node_id != node_id:
+                raise CorruptValueError(
+                    shown, f"node_id {record.node_id!r} in the value differs from the key"
+                )
+        except CorruptValueError as exc:
+            errors.append(exc)
+            continue
+        out.append(record)
+    return tuple(sorted(out, key=lambda p: p.node_id)), tuple(errors)
+
+
 def read_run(client: EtcdClient, keys: RunKeys, *, lease_ttls: bool = False) -> RunSnapshot:
     """Read one run: state, node keys, how many store keys, anything foreign.
 
@@ -196,16 +222,20 @@ def read_run(client: EtcdClient, keys: RunKeys, *, lease_ttls: bool = False) -> 
             errors.append(exc)
     nodes, node_errors = decode_nodes(keys, node_kvs)
     errors.extend(node_errors)
+    progress_kvs, _ = client.get_prefix(keys.progress_prefix)
+    progress, progress_errors = decode_progresses(keys, progress_kvs)
+    errors.extend(progress_errors)
     if lease_ttls:
         nodes = tuple(replace(n, ttl_left=client.lease_time_to_live(n.lease)) for n in nodes)
     foreign: tuple[str, ...] = ()
-    if total > store_keys + len(node_kvs) + (state_kv is not None):
+    if total > store_keys + len(node_kvs) + len(progress_kvs) + (state_kv is not None):
         # Rare (someone wrote under our prefix): only then list the run's keys by name.
         every, _ = client.get_prefix(keys.run_prefix, keys_only=True)
         foreign = tuple(
             kv.key.decode("utf-8", "backslashreplace")
             for kv in every
-            if kv.key != keys.state and not kv.key.startswith((keys.nodes_prefix, keys.store_root))
+            if kv.key != keys.state
+            and not kv.key.startswith((keys.nodes_prefix, keys.store_root, keys.progress_prefix))
         )
     return RunSnapshot(
         keys=keys,
@@ -215,6 +245,7 @@ def read_run(client: EtcdClient, keys: RunKeys, *, lease_ttls: bool = False) -> 
         nodes=nodes,
         nodes_revision=nodes_revision,
         store_keys=store_keys,
+        progress=progress,
         foreign_keys=foreign,
         errors=tuple(str(e) for e in errors),
         unreadable_keys=tuple(e.key for e in errors),

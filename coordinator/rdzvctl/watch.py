@@ -7,7 +7,8 @@ turns each etcd event into :class:`Change` values (``node vm-1-0 joined (asks fo
 no change is missed, and none waits for etcd's catch-up of a watch that starts in the
 past), and hands every change to a callback until asked to stop. The
 run's torch Store keys are ignored: they change on every rank exchange and mean nothing
-to an operator.
+to an operator; so are the progress keys (about one write a second per training node;
+``status`` shows them, and a hang shows here as a change of the state).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from coordinator.core.errors import CorruptValueError
 from coordinator.core.keys import RunKeys
 from coordinator.core.state import NodeInfo, RdzvState, decode_state
 from coordinator.rdzvctl.model import RunSnapshot, decode_nodes, read_run
+from coordinator.rdzvctl.progress_format import hang_text
 
 if TYPE_CHECKING:
     from coordinator.core.etcd_client import EtcdClient, Watch, WatchEvent
@@ -38,7 +40,7 @@ class Change:
         kind: node_joined, node_asks, node_rewrote, node_left, round_complete, waiting,
             not_waiting, redundant, not_redundant, lost, closed, state_rewritten,
             state_deleted, foreign_key, corrupt, resync, incarnation (started again),
-            draining.
+            draining, hang (a hang was declared: ``nodes`` stopped first).
         text: the human line (without the time).
         node_id, round, nodes, reason: the facts the text is made of, for ``--json``.
     """
@@ -100,6 +102,9 @@ def diff_states(old: RdzvState, new: RdzvState, revision: int) -> list[Change]:
         for node in _added(new.redundancy_list, old.redundancy_list):
             text = f"node {node} left the redundancy list"
             out.append(Change(revision, "not_redundant", text, node_id=node))
+    if new.hang is not None and new.hang != old.hang:
+        text = f"hang declared in {hang_text(new.hang)}"
+        out.append(Change(revision, "hang", text, round=new.hang.round, nodes=new.hang.nodes))
     if new.closed and not old.closed:
         reason = new.closed_reason
         text = f"run closed ({reason})" if reason else "run closed"
@@ -161,8 +166,8 @@ class Tracker:
             if revision <= self._nodes_guard:
                 return []
             return self._node_event(event, revision, shown)
-        if key.startswith(keys.store_root):
-            return []
+        if key.startswith((keys.store_root, keys.progress_prefix)):
+            return []  # progress changes about once a second per node: status shows it
         text = f"key {shown} {'deleted' if event.kind == 'delete' else 'written'} (not ours)"
         return [Change(revision, "foreign_key", text)]
 

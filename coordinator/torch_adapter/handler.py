@@ -53,12 +53,13 @@ from coordinator.core.errors import (
 )
 from coordinator.core.etcd_client import EtcdClient, EtcdObserver, backoff_delay
 from coordinator.core.executor import StateExecutor
+from coordinator.core.hang_board import ProgressBoard
 from coordinator.core.keys import make_node_id
 from coordinator.core.listeners import Listeners
 from coordinator.core.participation import Participation
 from coordinator.core.ports import free_port
 from coordinator.core.settings import RendezvousSettings
-from coordinator.core.state import CloseMode, NodeInfo, RdzvState
+from coordinator.core.state import CloseMode, Hang, NodeInfo, RdzvState
 from coordinator.core.threads import ThreadDied
 from coordinator.core.transitions import (
     Limits,
@@ -415,6 +416,25 @@ class EtcdRendezvousHandler(RendezvousHandler):
         watched view: the agent then stops its workers gracefully and exits 0."""
         parts = self._current()
         return parts is not None and self.node_id in parts.view.peek().draining
+
+    @property
+    def declared_hang(self) -> Hang | None:
+        """The hang declared in this node's last round (``--hang-timeout``), from the
+        watched view; None while there is none."""
+        parts = self._current()
+        hang = parts.view.peek().hang if parts is not None else None
+        return hang if hang is not None and hang.round == self.last_round else None
+
+    def progress_board(self) -> ProgressBoard | None:
+        """This node's progress records and hang declarations in the current
+        participation (None when it has none: not joined yet, or left)."""
+        parts = self._current()
+        if parts is None:
+            return None
+        return ProgressBoard(
+            self._etcd(), self._keys, self.node_id, parts.member.lease_id, parts.view,
+            clock=self._clock,
+        )  # fmt: skip
 
     @property
     def close_mode(self) -> CloseMode:

@@ -135,6 +135,18 @@ MISUSE = [
      "--frobnicate: unknown option; see etcdrun --help (arguments for the script go after "
      "the script)"),
     (["--max-restarts"], "--max-restarts: expected one argument"),
+    (["--hang-timeout=-3", "train.py"],
+     "--hang-timeout: '-3' is out of range; give a number of seconds of at least 1 (leave "
+     "the flag out: off)"),
+    (["--hang-timeout=0.5", "train.py"],
+     "--hang-timeout: '0.5' is out of range; give a number of seconds of at least 1 (leave "
+     "the flag out: off)"),
+    (["--hang-timeout=nan", "train.py"],
+     "--hang-timeout: 'nan' is out of range; give a number of seconds of at least 1 (leave "
+     "the flag out: off)"),
+    (["--hang-timeout=soon", "train.py"],
+     "--hang-timeout: 'soon' is not a number; give a number of seconds of at least 1 (leave "
+     "the flag out: off)"),
 ]  # fmt: skip
 
 
@@ -380,3 +392,9 @@ def test_drain_signal_takes_a_name_or_a_number(capsys: pytest.CaptureFixture[str
         "etcdrun: error: --drain-signal: 'SIGNOPE' is not a signal; give a name such as "
         "SIGUSR1 or USR1, or a number\n"
     )
+
+
+def test_hang_timeout_is_off_unless_given() -> None:
+    assert _parse(["train.py"]).hang_timeout is None
+    assert _parse(["--hang-timeout=2.5", "train.py"]).hang_timeout == 2.5
+    assert _parse(["--hang_timeout", "1", "train.py"]).hang_timeout == 1.0
