@@ -279,6 +279,7 @@ def _config(
             else parse_whole("--master-port", master_port, low=1, high=65535, what="a port 1-65535")
         ),
     )
+    config = _health_check(config, ns)
     if ns.start_method not in ("spawn", "fork", "forkserver"):
         raise UsageError("--start-method", f"{ns.start_method!r} is not spawn, fork or forkserver")
     entrypoint, args = _check_script(ns)
@@ -295,6 +296,31 @@ def _config(
         ),
         entrypoint=entrypoint,
         args=args,
+    )
+
+
+def _health_check(config: LaunchConfig, ns: argparse.Namespace) -> LaunchConfig:
+    """The pre-flight check's flags; its timing flags mean nothing without it."""
+    timeout, quarantine = ns.health_check_timeout, ns.quarantine_seconds
+    if not ns.health_check:
+        for flag, value in (("--health-check-timeout", timeout),
+                            ("--quarantine-seconds", quarantine)):  # fmt: skip
+            if value is not None:
+                raise UsageError(flag, "has no effect without --health-check; add --health-check")
+        return config
+    return dataclasses.replace(
+        config,
+        health_check=True,
+        health_check_timeout=(
+            config.health_check_timeout
+            if timeout is None
+            else parse_seconds("--health-check-timeout", timeout, zero_ok=False)
+        ),
+        quarantine_seconds=(
+            config.quarantine_seconds
+            if quarantine is None
+            else parse_seconds("--quarantine-seconds", quarantine, zero_ok=False)
+        ),
     )
 
 

@@ -56,6 +56,12 @@ class LaunchConfig:
         drain_signal: the early warning a leaving agent's workers get first (drained by an
             operator, or the agent was sent a stop signal), instead of the stop signal;
             SIGKILL follows ``stop_grace_period`` later. None: the stop signal.
+        health_check: run the pre-flight check before the workers of each round start
+            (``--health-check``; docs/health-check.md).
+        health_check_timeout: seconds this node's check may take before it counts as
+            failed (``--health-check-timeout``).
+        quarantine_seconds: how long a node that failed the check is left out
+            (``--quarantine-seconds``).
     """
 
     min_nodes: int
@@ -89,3 +95,6 @@ class LaunchConfig:
     warm_modules: tuple[str, ...] = ("torch",)
     warm_pool_size: int = 2
     drain_signal: signal.Signals | None = None
+    health_check: bool = False
+    health_check_timeout: float = 30.0
+    quarantine_seconds: float = 300.0
