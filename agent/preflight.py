@@ -225,9 +225,9 @@ class Preflight:
         }  # fmt: skip
         data, why = proc.run(params, self.timeout)
         mine = _result(data, why, group_rank, self._node_id, self._addr)
+        self.prepare()  # the next round's process imports while this round goes on
         store.set(f"{_RESULT}{group_rank}", encode_result(mine))
         results = self._collect(store, world)
-        self.prepare()  # the next round's process imports while this one goes on
         ids = list(members) or [results[r].node_id if r in results else "?" for r in range(world)]
         addrs = {r: res.addr for r, res in results.items()}
         verdict = judge(
@@ -251,8 +251,10 @@ class Preflight:
     def _collect(self, store: Store, world: int) -> dict[int, NodeResult]:
         keys = [f"{_RESULT}{r}" for r in range(world)]
         # A node's check ends within the timeout; a missing result after that is a failure.
-        with contextlib.suppress(Exception):
+        try:
             store.wait(keys, timedelta(seconds=self.timeout + _EXCHANGE_GRACE_S))
+        except Exception as exc:  # timed out (a node sent nothing), or the wait was ended
+            log.debug("pre-flight check: not every result came: %s", exc)
         present = [k for k in keys if store.check([k])]
         raws = store.multi_get(present) if present else []
         results = {}

@@ -169,12 +169,28 @@ def _check(
         raise RankExchangeError(f"round formed, but the pre-flight check failed: {text}") from exc
 
 
+def _left_during_check(handler: RendezvousHandler) -> str | None:
+    """During the pre-flight check only a participant that left ends the wait (its result
+    may never come). Nodes that wait to join wait for the check to end (it is bounded by
+    its timeout): the first node done with its verdict re-joins, which puts it on the wait
+    list, and the others must still finish theirs (and their log lines). Participants
+    quarantined by this very check are its outcome, not a change."""
+    departed: Callable[[], list[str]] | None = getattr(handler, "departed_participants", None)
+    if departed is None:
+        return None
+    out: frozenset[str] = getattr(handler, "quarantined_nodes", frozenset())
+    gone = [n for n in departed() if n not in out]
+    return f"{', '.join(gone)} left during the pre-flight check" if gone else None
+
+
 def formation_changed(handler: RendezvousHandler) -> Callable[[Phase[Formed]], str | None]:
     """While ranks are exchanged, any membership change ends the phase."""
 
     def changed(phase: Phase[Formed]) -> str | None:
         if phase.stage not in (EXCHANGE, HEALTH_CHECK):
             return None  # still joining: nodes waiting to join is what a rendezvous is
+        if phase.stage == HEALTH_CHECK:
+            return _left_during_check(handler)
         waiting = handler.num_nodes_waiting()
         return f"the membership changed ({waiting} waiting or lost)" if waiting else None
 

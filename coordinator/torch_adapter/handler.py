@@ -54,6 +54,7 @@ from coordinator.core.keys import make_node_id
 from coordinator.core.listeners import Listeners
 from coordinator.core.participation import Participation
 from coordinator.core.ports import free_port
+from coordinator.core.quarantine import quarantined_ids
 from coordinator.core.settings import RendezvousSettings
 from coordinator.core.state import CloseMode, NodeInfo, Quarantine, RdzvState
 from coordinator.core.threads import ThreadDied
@@ -414,6 +415,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
         watched view: the agent then stops its workers gracefully and exits 0."""
         parts = self._current()
         return parts is not None and self.node_id in parts.view.peek().draining
+
+    @property
+    def quarantined_nodes(self) -> frozenset[str]:
+        """The nodes quarantined now (``etcdrun --health-check``), from the watched view."""
+        parts = self._current()
+        return quarantined_ids(parts.view.peek()) if parts is not None else frozenset()
 
     @property
     def close_mode(self) -> CloseMode:
