@@ -317,8 +317,8 @@ def _reason(
     t = result.matmul_s
     if t is not None and matmul_ref is not None and th.slow(t, matmul_ref):
         return (
-            f"matmul {t:.3f} s, {t / max(matmul_ref, 1e-9):.0f}x the median {matmul_ref:.3f} s "
-            f"(limit {th.factor:g}x and +{th.floor_s:g} s)"
+            f"matmul {t:.3f} s, {t / max(matmul_ref, 1e-9):.0f}x the median {matmul_ref:.3f} s"
+            f"; limit {th.factor:g}x and +{th.floor_s:g} s"
         )
     mine = best.get(rank)
     if mine is None or pair_ref is None:
@@ -329,7 +329,7 @@ def _reason(
     if th.slow(mine, pair_ref):
         return (
             f"all_reduce with its neighbours {mine:.3f} s at best, "
-            f"{mine / max(pair_ref, 1e-9):.0f}x the median {pair_ref:.3f} s "
-            f"(limit {th.factor:g}x and +{th.floor_s:g} s)"
+            f"{mine / max(pair_ref, 1e-9):.0f}x the median {pair_ref:.3f} s"
+            f"; limit {th.factor:g}x and +{th.floor_s:g} s"
         )
     return ""
