@@ -6,9 +6,10 @@ interpreters are forked later; ``docs/warm-start.md``) and a hung device or coll
 cannot hang the agent: the agent kills this process when its time is up.
 
 Protocol: the program imports torch first (the agent starts it ahead, while the round
-forms), then reads ONE line of JSON from stdin with the round's parameters, runs the
-check and writes ONE line of JSON to stdout: the :class:`agent.health.NodeResult`
-(:func:`agent.health.encode_result`). Anything else it prints goes to stderr.
+forms) and writes the line ``ready``; then it reads ONE line of JSON from stdin with the
+round's parameters, runs the check and writes ONE line of JSON to stdout: the
+:class:`agent.health.NodeResult` (:func:`agent.health.encode_result`). Anything else it
+prints goes to stderr.
 
 What it checks, in order, each step timed:
 
@@ -36,6 +37,7 @@ from datetime import timedelta
 from typing import Any
 
 DELAY_ENV = "ETCD_ELASTIC_HEALTH_CHECK_DELAY"
+READY = "ready"
 
 
 def _delay() -> float:
@@ -151,6 +153,9 @@ def check(params: dict[str, Any]) -> dict[str, Any]:
 def main() -> int:
     import torch  # noqa: F401  (imported ahead: the agent starts this process early)
 
+    # The agent's timeout counts from here: a slow import is not a slow node.
+    sys.stdout.write(READY + "\n")
+    sys.stdout.flush()
     line = sys.stdin.readline()
     if not line.strip():
         return 0  # the agent did not need us (it stopped, or the round changed)

@@ -41,6 +41,10 @@ _RESULT = "etcd_elastic/health/"
 # Results come within the check's timeout of each other (the nodes start together); this
 # much more covers the store round trips.
 _EXCHANGE_GRACE_S = 10.0
+# How long a check process may take to import torch before it counts as failed: not part
+# of --health-check-timeout (on a loaded host the import alone can take tens of seconds,
+# and that is no fault of the node's devices or links).
+IMPORT_TIMEOUT_S = 120.0
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
 
 
@@ -72,32 +76,48 @@ class CheckProcess:
     def pid(self) -> int:
         return self._spawned.process.pid
 
-    def run(self, params: Mapping[str, Any], timeout: float) -> tuple[dict[str, Any] | None, str]:
-        """Send ``params``, wait up to ``timeout`` seconds for the result line.
+    def _line(self, timeout: float) -> bytes | None:
+        """The next line of its output (b"": it ended), None after ``timeout`` seconds."""
+        stdout = self._spawned.process.stdout
+        assert stdout is not None
+        deadline = time.monotonic() + timeout
+        line = b""
+        while not line.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if select.select([stdout], [], [], left)[0]:
+                chunk = stdout.readline()
+                if not chunk:
+                    return line
+                line += chunk
+        return line
+
+    def run(
+        self, params: Mapping[str, Any], timeout: float, import_timeout: float = IMPORT_TIMEOUT_S
+    ) -> tuple[dict[str, Any] | None, str]:
+        """Wait up to ``import_timeout`` for it to be ready, send ``params``, wait up to
+        ``timeout`` seconds for the result line.
 
         Returns:
             (the result data, "") or (None, why there is none). The process is killed
             and reaped either way.
         """
         proc = self._spawned.process
-        assert proc.stdin is not None and proc.stdout is not None
-        deadline = time.monotonic() + timeout
+        assert proc.stdin is not None
         try:
             self._spawned.confirm()
+            ready = self._line(import_timeout)
+            if ready is None:
+                return None, f"the check process did not start within {import_timeout:g} s"
             proc.stdin.write((json.dumps(dict(params)) + "\n").encode())
             proc.stdin.flush()
-            line = b""
-            while not line.endswith(b"\n"):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None, f"timed out after {timeout:g} s (--health-check-timeout)"
-                ready, _, _ = select.select([proc.stdout], [], [], left)
-                if ready:
-                    chunk = proc.stdout.readline()
-                    if not chunk:
-                        code = proc.wait()
-                        return None, f"the check process exited with code {code} and no result"
-                    line += chunk
+            line = self._line(timeout)
+            if line is None:
+                return None, f"timed out after {timeout:g} s (--health-check-timeout)"
+            if not line:
+                code = proc.wait()
+                return None, f"the check process exited with code {code} and no result"
             data = json.loads(line)
             if not isinstance(data, dict):
                 return None, "the check process wrote no result"
@@ -166,6 +186,13 @@ class Preflight:
         self.last_took_s = 0.0
         """Seconds from the start of that check to its verdict on this node."""
 
+    @property
+    def _exchange_s(self) -> float:
+        # A node's check ends within its import bound and the timeout; a result still
+        # missing after that is a failure (a node that leaves ends the wait earlier: the
+        # phase is abandoned).
+        return IMPORT_TIMEOUT_S + self.timeout + _EXCHANGE_GRACE_S
+
     def prepare(self) -> None:
         """Start the next check's process now, so its imports overlap the rendezvous."""
         with self._lock:
@@ -232,7 +259,7 @@ class Preflight:
         addrs = {r: res.addr for r, res in results.items()}
         verdict = judge(
             [(node, addrs.get(r, "")) for r, node in enumerate(ids)], results, self._thresholds,
-            missing=f"no result within {self.timeout + _EXCHANGE_GRACE_S:g} s",
+            missing=f"no result within {self._exchange_s:g} s",
         )  # fmt: skip
         self.last, self.last_took_s = verdict, time.monotonic() - started
         for node in verdict.nodes:
@@ -252,7 +279,7 @@ class Preflight:
         keys = [f"{_RESULT}{r}" for r in range(world)]
         # A node's check ends within the timeout; a missing result after that is a failure.
         try:
-            store.wait(keys, timedelta(seconds=self.timeout + _EXCHANGE_GRACE_S))
+            store.wait(keys, timedelta(seconds=self._exchange_s))
         except Exception as exc:  # timed out (a node sent nothing), or the wait was ended
             log.debug("pre-flight check: not every result came: %s", exc)
         present = [k for k in keys if store.check([k])]

@@ -3,7 +3,7 @@
 ``python -m benchmarks.health_check --nodes 2 4 --repeats 2`` starts one etcd, then for
 each N runs N ``etcdrun --health-check`` agents (one worker each, ``--no-warm-start`` so
 that the only torch import during start-up is the check process's own) of a job whose
-one worker fails once (``--max-restarts=1``), so each run has two checks:
+every worker fails once (``--max-restarts=1``), so each run has two checks:
 
 * round 1: the check process was started when the agent started and may still be
   importing torch when the round forms (a first start);
@@ -33,14 +33,15 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.systems import benchmark_etcd_binary
+from coordinator.core.lifeline import spawn
 from coordinator.etcd_server import EtcdCluster
 
 __all__ = ["main", "measure"]
 
 _SCRIPT = """\
 import os, sys, time
-marker = os.path.join(os.environ["HC_BENCH_DIR"], "failed-once")
-if os.environ.get("RANK") == "0" and not os.path.exists(marker):
+marker = os.path.join(os.environ["HC_BENCH_DIR"], "failed-once-" + os.environ["RANK"])
+if not os.path.exists(marker):  # every worker fails once: every node restarts
     open(marker, "w").close()
     time.sleep(3)  # the next round's check process imports meanwhile
     sys.exit(1)
@@ -59,7 +60,8 @@ def _agent(
         "--rdzv-conf=lease_ttl=5", str(script),
     ]  # fmt: skip
     with open(log, "wb") as out:
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        # Through the lifeline: the agents die with this process, however it ends.
+        return spawn(argv, stdout=out, stderr=subprocess.STDOUT, env=env).process
 
 
 def measure(endpoint: str, n: int, workdir: Path) -> dict[str, Any]:

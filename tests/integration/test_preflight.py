@@ -100,8 +100,6 @@ def test_a_check_past_its_timeout_is_killed_and_its_node_quarantined() -> None:
     pf.prepare()
     proc = pf._next
     assert proc is not None
-    # Let it import first, so the 3 s are the check's own.
-    time.sleep(20)
     started = time.monotonic()
     try:
         with pytest.raises(HealthCheckFailed) as info:
@@ -117,7 +115,9 @@ def test_a_check_past_its_timeout_is_killed_and_its_node_quarantined() -> None:
         [Quarantine("n0", "timed out after 3 s (--health-check-timeout)", 1_120_000, "127.0.0.1")]
     ]
     assert not alive(proc.pid)
-    assert took < 3 + 20, took  # the kill, not the 600 s
+    # The 3 s count from the end of its import (tens of seconds on a loaded host), and the
+    # process is killed then, not after the 600 s.
+    assert took < 90, took
 
 
 def test_three_nodes_measure_their_pairs_and_the_slow_one_is_named() -> None:
