@@ -71,6 +71,8 @@ class CheckProcess:
             start_new_session=True,
         )
         self._lock = threading.Lock()
+        self.import_wait_s = 0.0
+        """How long :meth:`run` waited for the process to finish importing torch."""
 
     @property
     def pid(self) -> int:
@@ -107,7 +109,9 @@ class CheckProcess:
         assert proc.stdin is not None
         try:
             self._spawned.confirm()
+            waiting = time.monotonic()
             ready = self._line(import_timeout)
+            self.import_wait_s = time.monotonic() - waiting
             if ready is None:
                 return None, f"the check process did not start within {import_timeout:g} s"
             proc.stdin.write((json.dumps(dict(params)) + "\n").encode())
@@ -185,6 +189,8 @@ class Preflight:
         """The verdict of the last check this node completed (for a timeline)."""
         self.last_took_s = 0.0
         """Seconds from the start of that check to its verdict on this node."""
+        self.last_import_wait_s = 0.0
+        """Of those, how long this node's check process was still importing torch."""
 
     @property
     def _exchange_s(self) -> float:
@@ -251,6 +257,7 @@ class Preflight:
             "pair_timeout_s": max(1.0, self.timeout / 4),
         }  # fmt: skip
         data, why = proc.run(params, self.timeout)
+        self.last_import_wait_s = proc.import_wait_s
         mine = _result(data, why, group_rank, self._node_id, self._addr)
         self.prepare()  # the next round's process imports while this round goes on
         store.set(f"{_RESULT}{group_rank}", encode_result(mine))
@@ -267,8 +274,9 @@ class Preflight:
         failed = verdict.failed
         if not failed:
             log.info(
-                "pre-flight check of round %d: %d node(s) passed in %.2f s",
-                round_id, world, self.last_took_s,
+                "pre-flight check of round %d: %d node(s) passed in %.2f s (%.2f s of it "
+                "waiting for this node's check process to import torch)",
+                round_id, world, self.last_took_s, self.last_import_wait_s,
             )  # fmt: skip
             return verdict
         self._leave_out(verdict, round_id)

@@ -11,10 +11,11 @@ every worker fails once (``--max-restarts=1``), so each run has two checks:
   check, and has long finished importing (every later round is like this).
 
 It reads each agent's log: ``total`` is the agent's time from the start of the check to
-its verdict (this node's check, then waiting for every node's result), ``check`` the
-time inside the check process (devices, matmul, pairs). Prints JSON. The machine's load
-average is part of the output: on a loaded machine the first-round numbers are mostly
-torch's import.
+its verdict (this node's check, then waiting for every node's result), ``import_wait``
+the part of it spent waiting for this node's check process to finish importing torch,
+``check`` the time inside the check process (devices, matmul, pairs). Prints JSON. The
+machine's load average is part of the output: on a loaded machine the first-round
+numbers are mostly torch's import.
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ import os, sys, time
 marker = os.path.join(os.environ["HC_BENCH_DIR"], "failed-once-" + os.environ["RANK"])
 if not os.path.exists(marker):  # every worker fails once: every node restarts
     open(marker, "w").close()
-    time.sleep(3)  # the next round's check process imports meanwhile
+    time.sleep(25)  # the next round's check process imports meanwhile (slow under load)
     sys.exit(1)
 """
-_TOTAL = re.compile(r"pre-flight check of round (\d+): \d+ node\(s\) passed in ([\d.]+) s")
+_TOTAL = re.compile(
+    r"pre-flight check of round (\d+): \d+ node\(s\) passed in ([\d.]+) s \(([\d.]+) s of it"
+)
 _CHECK = re.compile(r"pre-flight check: node (\d+) .*, check ([\d.]+) s; passed")
 
 
@@ -85,11 +88,12 @@ def measure(endpoint: str, n: int, workdir: Path) -> dict[str, Any]:
     rounds: dict[str, dict[str, list[float]]] = {}
     for log in logs:
         text = log.read_text(errors="replace")
-        totals = [(int(r), float(s)) for r, s in _TOTAL.findall(text)]
-        for index, (_round, seconds) in enumerate(totals):
-            rounds.setdefault("first" if index == 0 else "ahead", {}).setdefault(
-                "total_s", []
-            ).append(seconds)
+        totals = [(float(s), float(w)) for _r, s, w in _TOTAL.findall(text)]
+        for index, (seconds, waited) in enumerate(totals):
+            fields = rounds.setdefault("first" if index == 0 else "ahead", {})
+            fields.setdefault("total_s", []).append(seconds)
+            fields.setdefault("import_wait_s", []).append(waited)
+            fields.setdefault("total_minus_import_wait_s", []).append(seconds - waited)
         checks = [float(s) for _rank, s in _CHECK.findall(text)]
         if len(checks) >= 2 * n:
             rounds["first"].setdefault("check_s", []).extend(checks[:n])
