@@ -57,6 +57,7 @@ from agent.logs import LogSpec, RunLogDir
 from agent.metrics import RunMetrics, restart_cause, running_workers
 from agent.phase import MembershipChanged, Phase, PhaseWaiter
 from agent.policy import RestartBudget, Step, WorkerState, next_step, stop_for_closed_run
+from agent.preflight import HealthCheckFailed, Preflight
 from agent.ranks import Store
 from agent.recording import RoundRecorder
 from agent.rounds import Formed, barrier_changed, barrier_phase, form_round, formation_changed
@@ -124,6 +125,18 @@ class Agent:
         self._group: WorkerGroup | None = None
         self._warm = WarmPool(
             config.warm_modules, enabled=config.warm_start, depth=config.warm_pool_size
+        )
+        self._preflight = (
+            Preflight(
+                timeout=config.health_check_timeout,
+                quarantine_s=config.quarantine_seconds,
+                env=self._base_env,
+                node_id=str(getattr(handler, "node_id", "?")),
+                addr=config.local_addr,
+                quarantine=getattr(handler, "quarantine", None),
+            )
+            if config.health_check
+            else None
         )
         self._failures: dict[int, Failure] = {}
         self._report: str | None = None
@@ -208,6 +221,8 @@ class Agent:
         code = 1
         try:
             self._prepare_warm_pool()
+            if self._preflight is not None:
+                self._preflight.prepare()
             ended = self._loop()
             if ended is not None:
                 code = ended
@@ -228,6 +243,8 @@ class Agent:
             self._stop_group(reason="exit")
             self._hang.close()
             self._warm.close()
+            if self._preflight is not None:
+                self._preflight.close()
             if unsubscribe is not None:
                 unsubscribe()
             self._history.exited(code)
@@ -433,17 +450,18 @@ class Agent:
         while True:
             log.info("%s: joining the next rendezvous round", self._ctx())
             phase: Phase[Formed] = Phase(
-                "rendezvous", lambda p: form_round(self._handler, self._config, p), self.wake
+                "rendezvous",
+                lambda p: form_round(self._handler, self._config, p, self._preflight),
+                self.wake,
             )
             changed = formation_changed(self._handler) if self._push_events else None
             try:
                 return self._phases.run(phase, changed)
             except MembershipChanged as exc:
-                log.info(
-                    "%s: %s during the rank exchange; joining the next round (not counted)",
-                    self._ctx(),
-                    exc,
-                )
+                where = "" if isinstance(exc, HealthCheckFailed) else " during the rank exchange"
+                log.info("%s: %s%s; joining the next round (not counted)", self._ctx(), exc, where)
+            finally:
+                self._history.health(self._preflight)
 
     def _start_round(self) -> bool:
         """Rendezvous, agree on ranks and master, start the workers; False if stopped."""

@@ -287,6 +287,7 @@ def _config(
     )
     metrics_port, metrics_addr = parse_metrics(ns.metrics_port, ns.metrics_addr)
     config = dataclasses.replace(config, metrics_port=metrics_port, metrics_addr=metrics_addr)
+    config = _health_check(config, ns)
     if ns.start_method not in ("spawn", "fork", "forkserver"):
         raise UsageError("--start-method", f"{ns.start_method!r} is not spawn, fork or forkserver")
     entrypoint, args = _check_script(ns)
@@ -303,6 +304,31 @@ def _config(
         ),
         entrypoint=entrypoint,
         args=args,
+    )
+
+
+def _health_check(config: LaunchConfig, ns: argparse.Namespace) -> LaunchConfig:
+    """The pre-flight check's flags; its timing flags mean nothing without it."""
+    timeout, quarantine = ns.health_check_timeout, ns.quarantine_seconds
+    if not ns.health_check:
+        for flag, value in (("--health-check-timeout", timeout),
+                            ("--quarantine-seconds", quarantine)):  # fmt: skip
+            if value is not None:
+                raise UsageError(flag, "has no effect without --health-check; add --health-check")
+        return config
+    return dataclasses.replace(
+        config,
+        health_check=True,
+        health_check_timeout=(
+            config.health_check_timeout
+            if timeout is None
+            else parse_seconds("--health-check-timeout", timeout, zero_ok=False)
+        ),
+        quarantine_seconds=(
+            config.quarantine_seconds
+            if quarantine is None
+            else parse_seconds("--quarantine-seconds", quarantine, zero_ok=False)
+        ),
     )
 
 

@@ -283,6 +283,33 @@ def build_parser(*, environ: Mapping[str, str] | None = None) -> argparse.Argume
         help="interpreters kept started ahead per local worker (0: none, as --no-warm-start)",
     )
 
+    health = parser.add_argument_group("pre-flight check (docs/health-check.md)")
+    flag(
+        health,
+        "--health-check",
+        "--health_check",
+        help="before the workers of each round start, check every node (devices, a small "
+        "matmul, timed all_reduces between neighbours); a node that fails or is much "
+        "slower than the others is quarantined and the others re-form without it",
+    )
+    option(
+        health,
+        "--health-check-timeout",
+        "--health_check_timeout",
+        default=None,
+        metavar="SECONDS",
+        help="how long one node's check may take before it counts as failed (default: 30)",
+    )
+    option(
+        health,
+        "--quarantine-seconds",
+        "--quarantine_seconds",
+        default=None,
+        metavar="SECONDS",
+        help="how long a node that failed the check is left out before it may join "
+        "again (default: 300)",
+    )
+
     what = parser.add_argument_group("what to run")
     option(what, "--role", default="default", help="role name of the workers")
     flag(what, "-m", "--module", help="run the script argument as a module, like python -m")

@@ -62,6 +62,12 @@ class LaunchConfig:
         hang_timeout: ``--hang-timeout``: seconds a node's workers may report no progress
             (``agent.progress.report_progress``) before the run re-forms, a counted
             restart on every node (``docs/hang-detection.md``). None: off.
+        health_check: run the pre-flight check before the workers of each round start
+            (``--health-check``; docs/health-check.md).
+        health_check_timeout: seconds this node's check may take before it counts as
+            failed (``--health-check-timeout``).
+        quarantine_seconds: how long a node that failed the check is left out
+            (``--quarantine-seconds``).
     """
 
     min_nodes: int
@@ -98,3 +104,6 @@ class LaunchConfig:
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
     hang_timeout: float | None = None
+    health_check: bool = False
+    health_check_timeout: float = 30.0
+    quarantine_seconds: float = 300.0

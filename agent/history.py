@@ -28,6 +28,10 @@ Agent events (``src="agent"``; written by the agent when ``ETCD_ELASTIC_HISTORY`
     left), ``stop`` (a signal), ``success``, ``lease`` (this node's lease was lost),
     ``closed`` (the run was closed), ``hang`` (a hang was declared in the round: a
     counted restart) or another word the agent documents.
+``health_check`` {node, round, took_s, nodes}
+    The pre-flight check of ``round`` (``--health-check``) as this agent judged it:
+    ``took_s`` from its start to the verdict on this agent, ``nodes`` one record per node
+    (group_rank, node_id, addr, passed, reason, devices, matmul_s, best_pair_s, check_s).
 ``agent_exit`` {node, code}
     The agent is about to exit with ``code``.
 

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 
 from agent.history import HISTORY_ENV, NODE_ENV, ROUND_ENV, HistoryWriter
+from agent.preflight import Preflight
 
 __all__ = ["RoundRecorder"]
 
@@ -34,6 +35,7 @@ class RoundRecorder:
                         env.get(HISTORY_ENV), exc)  # fmt: skip
             self._writer = HistoryWriter(None)
         self._round = -1
+        self._verdict: object = None  # the last verdict recorded
 
     @property
     def node(self) -> str:
@@ -53,6 +55,22 @@ class RoundRecorder:
             run=self._handler.get_run_id(),
         )
         return {ROUND_ENV: str(self._round), NODE_ENV: self.node}
+
+    def health(self, preflight: Preflight | None) -> None:
+        """Record the verdict of the last pre-flight check once (``health_check``
+        {node, round, took_s, nodes: one record per node, see
+        :meth:`agent.health.Verdict.events`})."""
+        verdict = preflight.last if preflight is not None else None
+        if verdict is None or verdict is self._verdict:
+            return
+        self._verdict = verdict
+        self._writer.record(
+            "health_check",
+            node=self.node,
+            round=int(getattr(self._handler, "last_round", -1)),
+            took_s=round(preflight.last_took_s, 3) if preflight else 0.0,
+            nodes=verdict.events(),
+        )
 
     def started(self, pids: Mapping[int, int], restart_count: int) -> None:
         self._writer.record(

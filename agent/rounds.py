@@ -29,13 +29,15 @@ from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHand
 from agent.bootstrap import BootstrapStoreError
 from agent.config import LaunchConfig
 from agent.ending import exit_barrier
-from agent.launches import resolve_master
+from agent.launches import Master, resolve_master
 from agent.phase import MembershipChanged, Phase
+from agent.preflight import Preflight
 from agent.ranks import Assignment, RoleInfo, Store, exchange_ranks
 from agent.workers import GroupInfo
 
 __all__ = [
     "EXCHANGE",
+    "HEALTH_CHECK",
     "Formed",
     "MembershipChanged",
     "RankExchangeError",
@@ -50,6 +52,8 @@ log = logging.getLogger(__name__)
 
 EXCHANGE = "rank-exchange"
 """The stage of a formation phase once its round completed (see :meth:`Phase.mark`)."""
+HEALTH_CHECK = "health-check"
+"""The stage of a formation phase while the pre-flight check runs (``--health-check``)."""
 
 
 class RankExchangeError(RendezvousError):
@@ -97,8 +101,18 @@ def store_aborter(store: Store) -> Callable[[], None] | None:
     return lambda: abort("the membership changed: this node no longer waits on this round")
 
 
-def form_round(handler: RendezvousHandler, config: LaunchConfig, phase: Phase[Formed]) -> Formed:
-    """Rendezvous, then agree on ranks and the master address (a phase body)."""
+def form_round(
+    handler: RendezvousHandler,
+    config: LaunchConfig,
+    phase: Phase[Formed],
+    preflight: Preflight | None = None,
+) -> Formed:
+    """Rendezvous, then agree on ranks and the master address, then run the pre-flight
+    check if there is one (a phase body).
+
+    Raises:
+        HealthCheckFailed: a node failed the check (the round re-forms without it).
+    """
     info = handler.next_rendezvous()
     store: Store = info.store
     phase.mark(EXCHANGE, store_aborter(store))
@@ -112,6 +126,8 @@ def form_round(handler: RendezvousHandler, config: LaunchConfig, phase: Phase[Fo
     except (DistStoreError, ValueError, BootstrapStoreError) as exc:
         text = " ".join(str(exc).split())
         raise RankExchangeError(f"round formed, but the rank exchange failed: {text}") from exc
+    if preflight is not None:
+        _check(handler, phase, preflight, info, store, master)
     return Formed(
         info, assignment, master.addr, master.port,
         use_agent_store=master.agent_store,
@@ -119,12 +135,62 @@ def form_round(handler: RendezvousHandler, config: LaunchConfig, phase: Phase[Fo
     )  # fmt: skip
 
 
+def _check(
+    handler: RendezvousHandler,
+    phase: Phase[Formed],
+    preflight: Preflight,
+    info: Any,
+    store: Store,
+    master: Master,
+) -> None:
+    """The pre-flight check, ended at once (store and check process) on abandon."""
+    enders: list[Callable[[], None]] = []
+    abort = store_aborter(store)
+    if abort is not None:
+        enders.append(abort)
+
+    def end() -> None:
+        for ender in enders:
+            ender()
+
+    phase.mark(HEALTH_CHECK, end)
+    try:
+        preflight.check(
+            store,
+            round_id=int(getattr(handler, "last_round", 0)),
+            group_rank=info.rank,
+            world_size=info.world_size,
+            members=tuple(getattr(handler, "last_members", ())),
+            master=(master.addr, master.port) if master.agent_store else None,
+            on_abandon=enders.append,
+        )
+    except (DistStoreError, ValueError) as exc:
+        text = " ".join(str(exc).split())
+        raise RankExchangeError(f"round formed, but the pre-flight check failed: {text}") from exc
+
+
+def _left_during_check(handler: RendezvousHandler) -> str | None:
+    """During the pre-flight check only a participant that left ends the wait (its result
+    may never come). Nodes that wait to join wait for the check to end (it is bounded by
+    its timeout): the first node done with its verdict re-joins, which puts it on the wait
+    list, and the others must still finish theirs (and their log lines). Participants
+    quarantined by this very check are its outcome, not a change."""
+    departed: Callable[[], list[str]] | None = getattr(handler, "departed_participants", None)
+    if departed is None:
+        return None
+    out: frozenset[str] = getattr(handler, "quarantined_nodes", frozenset())
+    gone = [n for n in departed() if n not in out]
+    return f"{', '.join(gone)} left during the pre-flight check" if gone else None
+
+
 def formation_changed(handler: RendezvousHandler) -> Callable[[Phase[Formed]], str | None]:
     """While ranks are exchanged, any membership change ends the phase."""
 
     def changed(phase: Phase[Formed]) -> str | None:
-        if phase.stage != EXCHANGE:
+        if phase.stage not in (EXCHANGE, HEALTH_CHECK):
             return None  # still joining: nodes waiting to join is what a rendezvous is
+        if phase.stage == HEALTH_CHECK:
+            return _left_during_check(handler)
         waiting = handler.num_nodes_waiting()
         return f"the membership changed ({waiting} waiting or lost)" if waiting else None
 

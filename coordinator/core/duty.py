@@ -267,7 +267,9 @@ class CoordinatorDuty:
                     # Another coordinator moved the run on: a last call belongs to the round
                     # it was started for.
                     deadline, deadline_round = None, state.round
-                decision = decide_coordinator(state, nodes, self._limits, now, deadline)
+                decision = decide_coordinator(
+                    state, nodes, self._limits, now, deadline, now_unix_ms=self._wall_ms()
+                )
                 deadline = decision.last_call_deadline
                 if decision.actions:
                     result = executor.commit((state, mod_revision), decision.actions, fence=fence)

@@ -154,6 +154,40 @@ class StateExecutor:
             return Commit(True, new, result.revision)
         return Commit(False, state, result.revision, result.current, result.fenced_out)
 
+    def update(
+        self,
+        decide: Callable[[RdzvState], Sequence[Action]],
+        *,
+        known: tuple[RdzvState, int] | None = None,
+        tries: int = 10,
+        on_conflict: Callable[[KeyValue | None, int], None] | None = None,
+    ) -> Commit | None:
+        """Commit ``decide(state)`` until it sticks (etcd's STM): each lost race decides
+        again from the winner's value, read in the same round trip.
+
+        Returns:
+            The commit, or None when ``decide`` had nothing to do.
+
+        Raises:
+            EtcdElasticError: the state kept changing for ``tries`` attempts.
+            CorruptValueError: the state key holds a value we cannot read.
+        """
+        state, mod_revision = self.read() if known is None else known
+        for _ in range(tries):
+            actions = decide(state)
+            if not actions:
+                return None
+            outcome = self.commit((state, mod_revision), actions)
+            if outcome.succeeded:
+                return outcome
+            if on_conflict is not None:
+                on_conflict(outcome.current, outcome.revision)
+            state, mod_revision = decode_current(self._keys.state, outcome.current)
+        raise EtcdElasticError(
+            f"could not write {self._keys.state.decode()!r}: the state kept changing for "
+            f"{tries} attempts; try again"
+        )
+
     def _stale_store(self, old_round: int, new_round: int) -> list[bytes]:
         # When round R completes, round R-1's store may still be read by an agent finishing
         # its exit barrier; R-2's cannot be, so it goes (keys and exactly-once markers) in

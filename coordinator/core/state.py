@@ -34,6 +34,7 @@ __all__ = [
     "CloseMode",
     "Hang",
     "NodeInfo",
+    "Quarantine",
     "RdzvState",
     "decode_node",
     "decode_state",
@@ -96,6 +97,24 @@ class Hang:
 
 
 @dataclass(frozen=True)
+class Quarantine:
+    """A node left out of the rounds until ``until_unix_ms`` (``etcdrun --health-check``).
+
+    Attributes:
+        node_id: the node.
+        reason: why, in one line.
+        until_unix_ms: when it may be admitted again: the writer's wall clock plus the
+            quarantine's length, judged by the coordinator's wall clock only.
+        addr: the node's address, for operators.
+    """
+
+    node_id: str
+    reason: str
+    until_unix_ms: int
+    addr: str = ""
+
+
+@dataclass(frozen=True)
 class RdzvState:
     """The agreed state of one run.
 
@@ -113,6 +132,8 @@ class RdzvState:
             node has left is started again as ``incarnation + 1``.
         draining: nodes an operator asked to leave (``rdzvctl drain``).
         hang: the last hang declared (None: none); it concerns ``hang.round`` only.
+        quarantined: nodes left out of the rounds for a while (failed or slow in the
+            pre-flight check; :mod:`coordinator.core.quarantine`).
     """
 
     round: int = 0
@@ -131,6 +152,11 @@ class RdzvState:
     incarnation: int = 1
     draining: tuple[str, ...] = ()
     hang: Hang | None = None
+    quarantined: tuple[Quarantine, ...] = ()
+
+    def quarantine_of(self, node_id: str) -> Quarantine | None:
+        """The quarantine of ``node_id``, or None if it is not quarantined."""
+        return next((q for q in self.quarantined if q.node_id == node_id), None)
 
     def rank_of(self, node_id: str) -> int | None:
         """The group rank of ``node_id`` in ``round``, or None if not a participant."""
@@ -145,10 +171,12 @@ class RdzvState:
 
         A lost participant counts so that any agent, torch's included, re-rendezvouses at
         once instead of waiting for a collective to time out; so does a participant being
-        drained (it leaves: the others re-form without it, not a counted restart).
+        drained or quarantined (it leaves: the others re-form without it, not a counted
+        restart).
         """
         lost = set(self.lost)
-        leaving = [n for n in self.draining if n in self.participants and n not in lost]
+        out = set(self.draining) | {q.node_id for q in self.quarantined}
+        leaving = [n for n in self.participants if n in out and n not in lost]
         return len(self.wait_list) + len(self.lost) + len(leaving)
 
 
@@ -230,6 +258,12 @@ def encode_state(state: RdzvState) -> bytes:
         closed_at_unix_ms=state.closed_at_unix_ms,
         incarnation=state.incarnation,
         draining=list(state.draining),
+        quarantined=[
+            pb.Quarantine(
+                node_id=q.node_id, reason=q.reason, until_unix_ms=q.until_unix_ms, addr=q.addr
+            )
+            for q in state.quarantined
+        ],
     )
     if state.hang is not None:
         h = state.hang
@@ -287,6 +321,9 @@ def _decode_state_cached(key: str, raw: bytes) -> RdzvState:
         incarnation=_incarnation(key, msg.incarnation),
         draining=tuple(msg.draining),
         hang=_hang(key, msg),
+        quarantined=tuple(
+            Quarantine(q.node_id, q.reason, q.until_unix_ms, q.addr) for q in msg.quarantined
+        ),
     )
 
 

@@ -35,10 +35,11 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from coordinator.core.state import CloseMode, Hang, NodeInfo, RdzvState
+from coordinator.core.quarantine import ended, new_entries, release_in
+from coordinator.core.state import CloseMode, Hang, NodeInfo, Quarantine, RdzvState
 
 __all__ = [
     "Action",
@@ -54,6 +55,7 @@ __all__ = [
     "drain",
     "incarnation_to_join",
     "is_spare",
+    "quarantine",
     "to_restore",
 ]
 
@@ -164,6 +166,11 @@ class ActionKind(enum.Enum):
     #: A node's workers made no progress for ``--hang-timeout``: record the hang of the
     #: current round; every participant restarts its workers (a counted restart).
     DECLARE_HANG = "declare_hang"
+    #: Nodes that failed the pre-flight check are left out until a time
+    #: (:mod:`coordinator.core.quarantine`).
+    ADD_TO_QUARANTINE = "add_to_quarantine"
+    #: A quarantine ended (by the coordinator's clock) or its node's key is gone.
+    REMOVE_FROM_QUARANTINE = "remove_from_quarantine"
 
 
 @dataclass(frozen=True)
@@ -179,6 +186,8 @@ class Action:
     mode: CloseMode = "unspecified"
     # DECLARE_HANG only:
     hang: Hang | None = None
+    # ADD_TO_QUARANTINE only:
+    quarantine: tuple[Quarantine, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -213,6 +222,7 @@ def decide_coordinator(
     limits: Limits,
     now: float,
     last_call_deadline: float | None,
+    now_unix_ms: int | None = None,
 ) -> CoordinatorDecision:
     """Decide what the coordinator commits, given every live node key it sees.
 
@@ -222,7 +232,17 @@ def decide_coordinator(
         limits: min/max nodes and the last-call timeout.
         now: monotonic seconds.
         last_call_deadline: from the previous decision (None at first).
+        now_unix_ms: the coordinator's wall clock, the one clock quarantines end by
+            (None: no quarantine ends in this decision).
     """
+    if state.quarantined and not state.closed and now_unix_ms is not None:
+        # Quarantines that ended go first, in the same commit as whatever follows.
+        done = ended(state, nodes, now_unix_ms)
+        release = (Action(ActionKind.REMOVE_FROM_QUARANTINE, done),) if done else ()
+        after = apply(state, release)
+        decision = decide_coordinator(after, nodes, limits, now, last_call_deadline)
+        wake_at = min(decision.wake_at, now + release_in(after, now_unix_ms))
+        return CoordinatorDecision(release + decision.actions, decision.last_call_deadline, wake_at)
     if state.closed:
         # Started again only when no node of the ended incarnation (or any other) is left.
         restart = bool(nodes) and all(
@@ -230,13 +250,11 @@ def decide_coordinator(
         )
         start = (Action(ActionKind.START_INCARNATION),) if restart else ()
         return CoordinatorDecision(start, None, math.inf)
-    # A draining node is leaving: it is neither a joiner nor alive for the rounds to come.
+    # A draining node is leaving, a quarantined one is kept out: neither is a joiner nor
+    # alive for the rounds to come.
     all_nodes = nodes
-    nodes = {
-        k: n
-        for k, n in nodes.items()
-        if n.incarnation == state.incarnation and k not in state.draining
-    }
+    out = set(state.draining).union(q.node_id for q in state.quarantined)
+    nodes = {k: n for k, n in nodes.items() if n.incarnation == state.incarnation and k not in out}
     target = state.round + 1
     joiners = _order_joiners(state, (n for n in nodes.values() if n.wanted_round == target))
     joiner_ids = {n.node_id for n in joiners}
@@ -368,6 +386,14 @@ def apply(
             state = replace(state, draining=_without(state.draining, ids))
         elif kind is ActionKind.DECLARE_HANG:
             state = replace(state, hang=action.hang)
+        elif kind is ActionKind.ADD_TO_QUARANTINE:
+            known = {q.node_id for q in state.quarantined}
+            new = tuple(q for q in action.quarantine if q.node_id not in known)
+            state = replace(state, quarantined=state.quarantined + new)
+        elif kind is ActionKind.REMOVE_FROM_QUARANTINE:
+            gone = set(ids)
+            kept = tuple(q for q in state.quarantined if q.node_id not in gone)
+            state = replace(state, quarantined=kept)
         elif kind is ActionKind.START_INCARNATION:
             state = RdzvState(round=state.round, incarnation=state.incarnation + 1)
     return replace(state, written_by=written_by) if written_by else state
@@ -409,6 +435,13 @@ def declare_hang(state: RdzvState, hang: Hang) -> tuple[Action, ...]:
     if state.hang is not None and state.hang.round == hang.round:
         return ()
     return (Action(ActionKind.DECLARE_HANG, hang=hang),)
+
+
+def quarantine(state: RdzvState, entries: Sequence[Quarantine]) -> tuple[Action, ...]:
+    """The actions that quarantine ``entries`` (none for nodes quarantined already, and
+    none in a closed run)."""
+    new = () if state.closed else new_entries(state, entries)
+    return (Action(ActionKind.ADD_TO_QUARANTINE, quarantine=new),) if new else ()
 
 
 def to_restore(last_good: RdzvState, store_floor: int) -> RdzvState | None:

@@ -28,7 +28,7 @@ class Participant(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class RendezvousState(_message.Message):
-    __slots__ = ("schema_version", "round", "complete", "closed", "participants", "wait_list", "redundancy_list", "lost", "closed_reason", "completed_at_unix_ms", "written_by", "master_addr", "master_port", "close_mode", "closed_at_unix_ms", "incarnation", "draining", "hang")
+    __slots__ = ("schema_version", "round", "complete", "closed", "participants", "wait_list", "redundancy_list", "lost", "closed_reason", "completed_at_unix_ms", "written_by", "master_addr", "master_port", "close_mode", "closed_at_unix_ms", "incarnation", "draining", "hang", "quarantined")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class RendezvousState(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     HANG_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     round: int
     complete: bool
@@ -65,7 +66,8 @@ class RendezvousState(_message.Message):
     incarnation: int
     draining: _containers.RepeatedScalarFieldContainer[str]
     hang: Hang
-    def __init__(self, schema_version: _Optional[int] = ..., round: _Optional[int] = ..., complete: _Optional[bool] = ..., closed: _Optional[bool] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., wait_list: _Optional[_Iterable[str]] = ..., redundancy_list: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[str]] = ..., closed_reason: _Optional[str] = ..., completed_at_unix_ms: _Optional[int] = ..., written_by: _Optional[str] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., close_mode: _Optional[_Union[CloseMode, str]] = ..., closed_at_unix_ms: _Optional[int] = ..., incarnation: _Optional[int] = ..., draining: _Optional[_Iterable[str]] = ..., hang: _Optional[_Union[Hang, _Mapping]] = ...) -> None: ...
+    quarantined: _containers.RepeatedCompositeFieldContainer[Quarantine]
+    def __init__(self, schema_version: _Optional[int] = ..., round: _Optional[int] = ..., complete: _Optional[bool] = ..., closed: _Optional[bool] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., wait_list: _Optional[_Iterable[str]] = ..., redundancy_list: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[str]] = ..., closed_reason: _Optional[str] = ..., completed_at_unix_ms: _Optional[int] = ..., written_by: _Optional[str] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., close_mode: _Optional[_Union[CloseMode, str]] = ..., closed_at_unix_ms: _Optional[int] = ..., incarnation: _Optional[int] = ..., draining: _Optional[_Iterable[str]] = ..., hang: _Optional[_Union[Hang, _Mapping]] = ..., quarantined: _Optional[_Iterable[_Union[Quarantine, _Mapping]]] = ...) -> None: ...
 
 class Hang(_message.Message):
     __slots__ = ("round", "nodes", "step", "behind", "declared_by", "stalled_ms", "declared_at_unix_ms")
@@ -108,6 +110,18 @@ class NodeProgress(_message.Message):
     stalled: bool
     hang_timeout_ms: int
     def __init__(self, schema_version: _Optional[int] = ..., node_id: _Optional[str] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., age_ms: _Optional[int] = ..., reported_at_unix_ms: _Optional[int] = ..., workers_reporting: _Optional[int] = ..., local_world_size: _Optional[int] = ..., stalled: _Optional[bool] = ..., hang_timeout_ms: _Optional[int] = ...) -> None: ...
+
+class Quarantine(_message.Message):
+    __slots__ = ("node_id", "reason", "until_unix_ms", "addr")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    ADDR_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    reason: str
+    until_unix_ms: int
+    addr: str
+    def __init__(self, node_id: _Optional[str] = ..., reason: _Optional[str] = ..., until_unix_ms: _Optional[int] = ..., addr: _Optional[str] = ...) -> None: ...
 
 class NodeRecord(_message.Message):
     __slots__ = ("schema_version", "node_id", "addr", "hostname", "pid", "local_world_size", "role", "wanted_round", "lease_id", "started_at_unix_ms", "free_port", "incarnation")

@@ -83,6 +83,8 @@ def node_status(snapshot: RunSnapshot, node_id: str) -> str:
     node = snapshot.node(node_id)
     if node_id in state.draining:
         return "draining"  # rdzvctl drain: it is leaving
+    if state.quarantine_of(node_id) is not None:
+        return "quarantined"  # left out of the rounds for a while (--health-check)
     if node is not None and node.info.incarnation != state.incarnation:
         if state.closed and node.info.incarnation == state.incarnation + 1:
             return "starting it again"  # waits for the closed incarnation's nodes to leave
@@ -156,7 +158,20 @@ def _state_block(snapshot: RunSnapshot, now_ms: int, tz: datetime.tzinfo | None)
         f"lost:            {_list(state.lost)}",
         f"draining:        {_list(state.draining)}",
     ]
+    if state.quarantined:
+        # Shown only when there are some: a run without --health-check never has any.
+        lines.append(f"quarantined:     {len(state.quarantined)} (left out of the rounds)")
+        rows = [
+            [q.node_id, q.addr or "-", _left(q.until_unix_ms - now_ms), q.reason]
+            for q in state.quarantined
+        ]
+        lines.extend(table(["NODE", "ADDR", "TIME LEFT", "REASON"], rows))
     return lines
+
+
+def _left(ms: int) -> str:
+    # By this machine's clock; the coordinator's clock decides (docs/health-check.md).
+    return "ending" if ms <= 0 else _ago(ms + 999)
 
 
 def status_lines(
@@ -241,6 +256,15 @@ def status_json(snapshot: RunSnapshot) -> dict[str, Any]:
         "redundancy_list": list(state.redundancy_list),
         "lost": list(state.lost),
         "draining": list(state.draining),
+        "quarantined": [
+            {
+                "node_id": q.node_id,
+                "addr": q.addr,
+                "reason": q.reason,
+                "until_unix_ms": q.until_unix_ms,
+            }
+            for q in state.quarantined
+        ],
         "joining": list(joining(snapshot)),
         "hang": hang_json(state.hang),
     }

@@ -72,6 +72,18 @@ def diff_states(old: RdzvState, new: RdzvState, revision: int) -> list[Change]:
     for node in _added(old.draining, new.draining):
         text = f"node {node} asked to leave (drain)"
         out.append(Change(revision, "draining", text, node_id=node, round=new.round))
+    before = {q.node_id for q in old.quarantined}
+    for entry in new.quarantined:
+        if entry.node_id not in before:
+            text = f"node {entry.node_id} quarantined: {entry.reason}"
+            out.append(
+                Change(revision, "quarantined", text, node_id=entry.node_id, round=new.round,
+                       reason=entry.reason)
+            )  # fmt: skip
+    after = {q.node_id for q in new.quarantined}
+    for node in sorted(before - after):
+        text = f"node {node} out of quarantine"
+        out.append(Change(revision, "released", text, node_id=node, round=new.round))
     if new.round != old.round:
         text = f"round {new.round} complete: {len(new.participants)} nodes"
         text += f" {_names(new.participants)}"

@@ -32,7 +32,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousHandler,
@@ -58,8 +58,9 @@ from coordinator.core.keys import make_node_id
 from coordinator.core.listeners import Listeners
 from coordinator.core.participation import Participation
 from coordinator.core.ports import free_port
+from coordinator.core.quarantine import quarantined_ids
 from coordinator.core.settings import RendezvousSettings
-from coordinator.core.state import CloseMode, Hang, NodeInfo, RdzvState
+from coordinator.core.state import CloseMode, Hang, NodeInfo, Quarantine, RdzvState
 from coordinator.core.threads import ThreadDied
 from coordinator.core.transitions import (
     Limits,
@@ -67,6 +68,7 @@ from coordinator.core.transitions import (
     decide_node,
     incarnation_to_join,
     is_spare,
+    quarantine,
 )
 from coordinator.torch_adapter.errors import torch_errors
 from coordinator.torch_adapter.store import EtcdStore
@@ -272,6 +274,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         start = self._clock()
         deadline = start + self._settings.join_timeout
         wanted = 0
+        quarantined = 0  # the end time of this node's quarantine last logged
         log.info("node %s joining run %s", self.node_id, run_id)
         while True:
             if self._current() is not parts:
@@ -279,6 +282,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 parts, wanted = self._rejoin_participation(deadline), 0
             view = parts.view
             state, _, seen = view.read()
+            if state.quarantine_of(self.node_id) is not None:
+                # Kept out for a while (failed the pre-flight check): it waits without a
+                # deadline, which starts again when the quarantine ends.
+                deadline = self._clock() + self._settings.join_timeout
+                quarantined = self._note_quarantine(state, quarantined)
             action = decide_node(
                 state, self.node_id, wanted, self._clock(), deadline, self.incarnation
             )
@@ -360,6 +368,18 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 seen, None if timeout is None else max(timeout, 0.0), self._session_lost
             )
 
+    def _note_quarantine(self, state: RdzvState, logged: int) -> int:
+        entry = state.quarantine_of(self.node_id)
+        if entry is None or entry.until_unix_ms == logged:
+            return logged
+        left = max(0.0, entry.until_unix_ms / 1000 - time.time())
+        log.warning(
+            "node %s is quarantined in run %s for about %.0f s more (%s): it waits outside "
+            "the rounds, then asks to join again",
+            self.node_id, self._keys.run_id, left, entry.reason,
+        )  # fmt: skip
+        return entry.until_unix_ms
+
     def _info(self, state: RdzvState, rank: int) -> RendezvousInfo:
         store = EtcdStore(
             self._etcd(),
@@ -410,6 +430,21 @@ class EtcdRendezvousHandler(RendezvousHandler):
             view.offer_written(outcome.state, outcome.mod_revision)
             log.info("node %s closed run %s (%s)", self.node_id, self._keys.run_id, mode)
 
+    @torch_errors
+    def quarantine(self, entries: Sequence[Quarantine]) -> bool:
+        """Leave ``entries`` out of the rounds until their end time (a guarded write; see
+        :mod:`coordinator.core.quarantine`). Returns whether this call wrote them (False:
+        they were there already, or the run is closed)."""
+        view = self._participation().view
+        executor = StateExecutor(self._etcd(), self._keys, written_by=self.node_id)
+        commit = executor.update(
+            lambda state: quarantine(state, entries), known=view.snapshot(), on_conflict=view.offer
+        )
+        if commit is None:
+            return False
+        view.offer_written(commit.state, commit.revision)
+        return True
+
     @property
     def drain_requested(self) -> bool:
         """Whether an operator asked this node to leave (``rdzvctl drain``), from the
@@ -435,6 +470,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._etcd(), self._keys, self.node_id, parts.member.lease_id, parts.view,
             clock=self._clock,
         )  # fmt: skip
+
+    def quarantined_nodes(self) -> frozenset[str]:
+        """The nodes quarantined now (``etcdrun --health-check``), from the watched view."""
+        parts = self._current()
+        return quarantined_ids(parts.view.peek()) if parts is not None else frozenset()
 
     @property
     def close_mode(self) -> CloseMode:
