@@ -46,6 +46,7 @@ from agent.ending import (
     collect_failures,
     give_up_report,
     leave,
+    record_restart,
     release_exit_barrier,
 )
 from agent.errorfile import Failure, root_cause
@@ -338,6 +339,7 @@ class Agent:
             self._failures = collect_failures(self._group) or self._failures
             self._budget.charge(self._group_world_size)
             first = root_cause(self._failures) if self._failures else None
+            record_restart(self._handler, self.restart_count, first)
             log.warning(
                 "%s: worker group %s (root cause: rank %s: %s); restarting, %d of %d restarts left",
                 self._ctx(),

@@ -161,8 +161,8 @@ class Tracker:
             if revision <= self._nodes_guard:
                 return []
             return self._node_event(event, revision, shown)
-        if key.startswith(keys.store_root):
-            return []
+        if key.startswith((keys.store_root, keys.events_prefix)):
+            return []  # the Store's keys; the timeline (rdzvctl events --follow)
         text = f"key {shown} {'deleted' if event.kind == 'delete' else 'written'} (not ours)"
         return [Change(revision, "foreign_key", text)]
 
