@@ -177,31 +177,33 @@ def _drain(client: EtcdClient, opts: Options, out: _Out) -> int:
         )
     executor = StateExecutor(client, keys, written_by=_operator())
 
-    def asked() -> None:
-        # The run's timeline: who asked, when (the node's departure follows, "drained").
-        record_event(client, keys, Event("drain_requested", node_id=node), written_by=_operator())
+    def asked(revision: int) -> None:
+        # The run's timeline: who asked, at the drain's revision (the node may be gone,
+        # and its "drained" departure written, before this write lands).
+        event = Event("drain_requested", node_id=node, revision=revision)
+        record_event(client, keys, event, written_by=_operator())
 
     for _ in range(_DRAIN_TRIES):
         known = executor.read()
         if known[0].closed:
             raise _Failed(f"run {keys.run_id} is closed: its nodes are leaving already")
         actions = drain(known[0], node)
-        if opts.json and (not actions or executor.commit(known, actions).succeeded):
-            if actions:
-                asked()
+        done = executor.commit(known, actions) if actions else None
+        if done is not None and not done.succeeded:
+            continue
+        if done is not None:
+            asked(done.revision)
+        if opts.json:
             out.data({"run_id": keys.run_id, "node_id": node, "changed": bool(actions)})
-            return EXIT_OK
-        if not actions:
+        elif not actions:
             out.lines([f"node {node} of run {keys.run_id} was asked to leave already"])
-            return EXIT_OK
-        if not opts.json and executor.commit(known, actions).succeeded:
-            asked()
+        else:
             out.lines(
                 [f"node {node} of run {keys.run_id} asked to leave: its workers get the "
                  "agent's drain signal and grace, the others re-form without it, and its "
                  "agent exits 0"]
             )  # fmt: skip
-            return EXIT_OK
+        return EXIT_OK
     raise _Failed(f"could not drain {node}: the state of run {keys.run_id} kept changing")
 
 

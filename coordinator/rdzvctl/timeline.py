@@ -230,8 +230,14 @@ def draw(data: TimelineData, path: str) -> None:
             continue
         label, marker, colour = MARKS[mark.kind]
         # An unfilled marker ('|') has no edge of its own: matplotlib warns if given one.
-        edge = {} if marker == "|" else {"edgecolors": "white", "linewidths": 0.8}
-        ax.scatter([mark.at], [rows[mark.node]], marker=marker, s=120, color=colour, zorder=5, **edge)
+        where = ([mark.at], [rows[mark.node]])
+        if marker == "|":
+            ax.scatter(*where, marker=marker, s=160, color=colour, zorder=5)
+        else:
+            ax.scatter(
+                *where, marker=marker, s=120, color=colour, edgecolors="white",
+                linewidths=0.8, zorder=5,
+            )  # fmt: skip
         if mark.kind not in used:
             used.append(mark.kind)
     if data.closed_at is not None:
