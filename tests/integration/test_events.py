@@ -4,6 +4,7 @@ what ``rdzvctl events`` / ``rdzvctl timeline`` make of it."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -150,7 +151,7 @@ def test_each_fact_is_written_once_and_the_log_keeps_the_newest(
 
 def test_rdzvctl_events_and_timeline_error_paths(
     etcd1: EtcdCluster, run_id: str, client: EtcdClient, capsys: pytest.CaptureFixture[str],
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     code, out, err = ctl(capsys, etcd1, "events", run_id)
     assert (code, out) == (1, "")
@@ -175,3 +176,12 @@ def test_rdzvctl_events_and_timeline_error_paths(
         f"'/etcd-elastic/{run_id}/events/fault/x/1': not a RunEvent in JSON (Failed to load "
         "JSON: Expecting value: line 1 column 1 (char 0).)\n"
     )
+    # Without matplotlib: one line that says what to install.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    code, out, err = ctl(capsys, etcd1, "timeline", run_id, "-o", str(tmp_path / "x.png"))
+    assert (code, out) == (1, "")
+    assert err.endswith(
+        "rdzvctl: error: timeline needs matplotlib, which is not installed: "
+        "pip install 'etcd-elastic[timeline]' (or pip install matplotlib)\n"
+    )
+    assert not (tmp_path / "x.png").exists()
