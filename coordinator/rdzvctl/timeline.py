@@ -188,6 +188,18 @@ def prepare(run_id: str, events: Sequence[Event]) -> TimelineData:
     )
 
 
+def _spaced(ranks: Sequence[Rank], gap: float) -> list[Rank]:
+    """The rank labels to write: on each row, one that the next label on the same row
+    would overlap (rounds a moment apart) gives way to it."""
+    kept: list[Rank] = []
+    for i, rank in enumerate(ranks):
+        later = (r for r in ranks[i + 1 :] if r.node == rank.node)
+        following = next(later, None)
+        if following is None or following.at - rank.at >= gap:
+            kept.append(rank)
+    return kept
+
+
 def draw(data: TimelineData, path: str) -> None:
     """Render ``data`` to ``path`` (.png, .svg or .pdf).
 
@@ -203,15 +215,18 @@ def draw(data: TimelineData, path: str) -> None:
     from matplotlib.patches import Patch
 
     rows = {node: i for i, node in enumerate(data.nodes)}
-    right = max(data.end, 1.0) * 1.04
-    height = 1.6 + 0.55 * max(len(data.nodes), 1)
+    right = max(data.end, 1.0) * 1.03
+    height = 1.4 + 0.6 * max(len(data.nodes), 1)
     fig, ax = plt.subplots(figsize=(12, height))
-    shades = ("#dbe9f6", "#f2f2f2")
+    shades = ("#dbe9f6", "#ececec")
+    top = -1.0  # the row above the nodes holds the round numbers
     for i, band in enumerate(data.bands):
         ax.axvspan(band.start, band.end, color=shades[i % 2], zorder=0)
+        wide = band.end - band.start > right * 0.07
         ax.text(
-            (band.start + band.end) / 2, -0.75, f"round {band.round}",
-            ha="center", va="bottom", fontsize=9, color="#333333",
+            (band.start + band.end) / 2, top + 0.3,
+            f"round {band.round}" if wide else str(band.round),
+            ha="center", va="center", fontsize=9, color="#333333",
         )  # fmt: skip
     for span in data.spans:
         stop = right if span.end is None else span.end
@@ -219,42 +234,44 @@ def draw(data: TimelineData, path: str) -> None:
             rows[span.node], max(stop - span.start, right / 400), left=span.start,
             height=0.36, color="#4c78a8", zorder=2,
         )  # fmt: skip
-    for rank in data.ranks:
+    for rank in _spaced(data.ranks, right * 0.06):
         ax.text(
-            rank.at + right / 250, rows[rank.node] - 0.24, f"rank {rank.rank}",
-            fontsize=7, color="#1f3b5c", va="bottom", zorder=4,
+            rank.at + right / 300, rows[rank.node] + 0.21, f"rank {rank.rank}",
+            fontsize=7, color="#1f3b5c", va="top", zorder=4,
         )  # fmt: skip
     used: list[str] = []
     for mark in data.marks:
         if mark.node not in rows:
             continue
         label, marker, colour = MARKS[mark.kind]
-        # An unfilled marker ('|') has no edge of its own: matplotlib warns if given one.
-        where = ([mark.at], [rows[mark.node]])
+        # A request is drawn just above its node's bar: the departure it leads to often
+        # lands within the same second, on the bar itself.
+        where = ([mark.at], [rows[mark.node] - (0.3 if mark.kind == "drain_requested" else 0)])
         if marker == "|":
-            ax.scatter(*where, marker=marker, s=160, color=colour, zorder=5)
+            ax.scatter(*where, marker=marker, s=200, color=colour, zorder=5)
         else:
             ax.scatter(
-                *where, marker=marker, s=120, color=colour, edgecolors="white",
+                *where, marker=marker, s=110, color=colour, edgecolors="white",
                 linewidths=0.8, zorder=5,
             )  # fmt: skip
         if mark.kind not in used:
             used.append(mark.kind)
+    bottom = len(data.nodes) - 0.35
     if data.closed_at is not None:
         ax.axvline(data.closed_at, color="#000000", linestyle="--", linewidth=1, zorder=3)
         ax.text(
-            data.closed_at, len(data.nodes) - 0.45, f" {data.close_label}",
-            fontsize=8, va="top", ha="left",
+            data.closed_at - right / 300, bottom - 0.05, data.close_label,
+            fontsize=8, va="bottom", ha="right",
         )  # fmt: skip
     ax.set_yticks(range(len(data.nodes)), labels=list(data.nodes), fontsize=8)
-    ax.set_ylim(len(data.nodes) - 0.4, -0.9)
+    ax.set_ylim(bottom, top)
     ax.set_xlim(0, right)
     ax.set_xlabel("seconds since the first event (writers' wall clocks)")
     ax.set_title(f"run {data.run_id}: membership, rounds and faults", fontsize=11)
     ax.grid(axis="x", color="#cccccc", linewidth=0.5, zorder=1)
     handles: list[Line2D | Patch] = [
         Patch(color="#4c78a8", label="node in the run (joined → departed)"),
-        Patch(color=shades[0], label="completed round"),
+        Patch(color=shades[0], label="completed round (shades alternate)"),
     ]
     for kind in (k for k in MARKS if k in used):
         label, marker, colour = MARKS[kind]
@@ -264,9 +281,8 @@ def draw(data: TimelineData, path: str) -> None:
     if data.closed_at is not None:
         handles.append(Line2D([], [], color="#000000", linestyle="--", label="run closed"))
     ax.legend(
-        handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.5 / height - 0.12),
+        handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.1 - 0.4 / height),
         ncol=3, fontsize=8, frameon=False,
     )  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
