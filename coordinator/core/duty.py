@@ -280,9 +280,8 @@ class CoordinatorDuty:
                 deadline = decision.last_call_deadline
                 if decision.actions:
                     result = executor.commit((state, mod_revision), decision.actions, fence=fence)
-                    if result.succeeded:
+                    if self._events is not None and result.succeeded:
                         recorder.committed(state, result.state, decision.actions, result.revision)
-                    if self._events is not None and recorder.pending:
                         self._events.submit(recorder.take())
                     if self._settle(me, result, decision.actions):
                         return

@@ -4,6 +4,8 @@ what ``rdzvctl events`` / ``rdzvctl timeline`` make of it."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,7 +17,7 @@ from coordinator.core.events import Event, read_events
 from coordinator.core.keys import RunKeys
 from coordinator.etcd_server import EtcdCluster
 from coordinator.torch_adapter.handler import EtcdRendezvousHandler
-from tests.integration.rdzvctl_support import ctl, form, handler
+from tests.integration.rdzvctl_support import RDZVCTL, ctl, form, handler
 from tests.rdzv_helpers import Joins, wait_until
 
 pytestmark = pytest.mark.integration
@@ -185,3 +187,28 @@ def test_rdzvctl_events_and_timeline_error_paths(
         "pip install 'etcd-elastic[timeline]' (or pip install matplotlib)\n"
     )
     assert not (tmp_path / "x.png").exists()
+
+
+def test_rdzvctl_events_follow_prints_the_stored_then_the_new_until_ctrl_c(
+    etcd1: EtcdCluster, run_id: str, client: EtcdClient
+) -> None:
+    keys = RunKeys("/etcd-elastic", run_id)
+    record_event(client, keys, Event("fault", node_id="n-1-0", summary="first"))
+    proc = subprocess.Popen(
+        [str(RDZVCTL), "events", run_id, "--follow", "--json",
+         f"--endpoints={etcd1.endpoint_list}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        assert json.loads(proc.stdout.readline())["summary"] == "first"
+        record_event(client, keys, Event("restarted", node_id="n-1-0", restart_count=1))
+        second = json.loads(proc.stdout.readline())
+        assert (second["kind"], second["restart_count"]) == ("restarted", 1)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        assert (proc.returncode, out, err) == (0, "", "")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
