@@ -46,6 +46,7 @@ from agent.ending import (
     collect_failures,
     give_up_report,
     leave,
+    record_restart,
     release_exit_barrier,
 )
 from agent.errorfile import Failure, root_cause
@@ -382,6 +383,7 @@ class Agent:
             self._budget.charge(self._group_world_size)
             self._metrics.restarts_left(self._budget.left)
             first = root_cause(self._failures) if self._failures else None
+            record_restart(self._handler, self.restart_count, first)
             log.warning(
                 "%s: worker group %s (root cause: rank %s: %s); restarting, %d of %d restarts left",
                 self._ctx(),

@@ -16,6 +16,7 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler
 from agent.errorfile import Failure, format_report, read_failure, root_cause
 from agent.ranks import Store
 from agent.workers import WorkerGroup
+from coordinator.core.events import Event
 
 __all__ = [
     "EXIT_BARRIER",
@@ -26,6 +27,7 @@ __all__ = [
     "exit_barrier",
     "give_up_report",
     "leave",
+    "record_restart",
     "release_exit_barrier",
 ]
 
@@ -139,6 +141,27 @@ def leave(handler: RendezvousHandler, ctx: str) -> None:
         method()
     except Exception:
         log.exception("%s: could not leave the rendezvous", ctx)
+
+
+def record_restart(handler: RendezvousHandler, restart_count: int, cause: Failure | None) -> None:
+    """Append a counted restart, with its root cause, to the run's timeline (``rdzvctl
+    events``), when the handler keeps one (ours). Never blocks or raises: the write
+    happens in the background."""
+    record: Callable[[Event], None] | None = getattr(handler, "record_event", None)
+    if record is None:
+        return
+    summary = "" if cause is None else f"rank {cause.global_rank}: {cause.message}"
+    node = str(getattr(handler, "node_id", ""))
+    record(
+        Event(
+            "restarted",
+            node_id=node,
+            round=int(getattr(handler, "last_round", 0)),
+            restart_count=restart_count,
+            summary=summary,
+            incarnation=int(getattr(handler, "incarnation", 0)),
+        )
+    )
 
 
 def collect_failures(group: WorkerGroup | None) -> dict[int, Failure]:

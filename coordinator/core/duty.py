@@ -44,6 +44,8 @@ from dataclasses import dataclass
 
 from coordinator.core.errors import CorruptValueError, EtcdElasticError
 from coordinator.core.etcd_client import EtcdClient, Watch, WatchEvent
+from coordinator.core.event_log import EventLog
+from coordinator.core.events import EventRecorder
 from coordinator.core.executor import Commit, Fence, StateExecutor
 from coordinator.core.keys import RunKeys
 from coordinator.core.node_table import NodeTable
@@ -93,6 +95,8 @@ class CoordinatorDuty:
         wall_ms: wall-clock milliseconds, recorded in the state for operators only.
         on_death: told if the duty's thread dies of an unexpected exception (the node no
             longer coordinates: its owner should leave and re-join, or stop).
+        events: where a leader's joins, rounds and departures go (the run's timeline;
+            written in the background, never waited for). None: not recorded.
     """
 
     def __init__(
@@ -105,7 +109,9 @@ class CoordinatorDuty:
         clock: Callable[[], float] = time.monotonic,
         wall_ms: Callable[[], int] = lambda: int(time.time() * 1000),
         on_death: DeathListener | None = None,
+        events: EventLog | None = None,
     ) -> None:
+        self._events = events
         self._client = client
         self._keys = keys
         self._view = view
@@ -221,6 +227,7 @@ class CoordinatorDuty:
         deadline_round = -1
         paused = False  # the state key is unreadable: wait for a valid value
         store_floor: int | None = None  # read once per term, only if the key is absent
+        recorder = EventRecorder(me.node_id)
         try:
             while not self._stop.is_set():
                 current = self._membership()
@@ -262,6 +269,8 @@ class CoordinatorDuty:
                         continue
                 with self._nodes_lock:
                     nodes = self._nodes.snapshot()
+                if self._events is not None:
+                    recorder.observe(state, nodes)
                 now = self._clock()
                 if deadline_round != state.round:
                     # Another coordinator moved the run on: a last call belongs to the round
@@ -273,9 +282,14 @@ class CoordinatorDuty:
                 deadline = decision.last_call_deadline
                 if decision.actions:
                     result = executor.commit((state, mod_revision), decision.actions, fence=fence)
+                    if self._events is not None and result.succeeded:
+                        recorder.committed(state, result.state, decision.actions, result.revision)
+                        self._events.submit(recorder.take())
                     if self._settle(me, result, decision.actions):
                         return
                     continue
+                if self._events is not None and recorder.pending:
+                    self._events.submit(recorder.take())
                 timeout = None if decision.wake_at == math.inf else decision.wake_at - now
                 self._signal.wait(max(timeout, 0.0) if timeout is not None else None)
         finally:

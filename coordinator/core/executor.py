@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 from coordinator.core.errors import EtcdElasticError
 from coordinator.core.etcd_client import EtcdClient, KeyValue
+from coordinator.core.event_log import record_event
+from coordinator.core.events import events_of_commit
 from coordinator.core.keys import RunKeys
 from coordinator.core.state import CloseMode, RdzvState, decode_state, encode_state
 from coordinator.core.store_rounds import round_prefixes
@@ -250,6 +252,10 @@ class StateExecutor:
                 lease = self._client.lease_grant(max(1, math.ceil(retention)))
             outcome = self.commit((state, mod_revision), actions, lease=lease)
             if outcome.succeeded:
+                # The run's timeline (best effort, a short wait at most: a close is not on
+                # any formation's path, and the closer may be about to exit).
+                for event in events_of_commit(state, outcome.state, actions, outcome.revision, {}):
+                    record_event(self._client, self._keys, event, written_by=self._written_by)
                 return CloseOutcome(outcome.state, outcome.revision, changed=True)
             if on_conflict is not None:
                 on_conflict(outcome.current, outcome.revision)

@@ -7,6 +7,7 @@ Layout (documented for operators in ``docs/keys.md``)::
     <key_prefix>/<run_id>/store/<round>/<encoded key>    the torch Store of one round
     <key_prefix>/<run_id>/progress/<node_id>             a node's last training progress,
                                                          on its lease (hang detection)
+    <key_prefix>/<run_id>/events/<kind>/<…>              the run's timeline (no lease)
 
 Nothing in a key comes unescaped from user input: run ids, key prefixes and node ids use a
 closed character set (so ``job`` can never be a prefix of ``job/x``'s keys: ``/`` is not
@@ -277,6 +278,22 @@ class RunKeys:
     def store_root(self) -> bytes:
         """``…/store/``: the folder holding every round's Store."""
         return self.run_prefix + b"store/"
+
+    @property
+    def events_prefix(self) -> bytes:
+        """``…/events/``: the folder of the run's timeline (see ``coordinator.core.events``)."""
+        return self.run_prefix + b"events/"
+
+    def event(self, event_id: str) -> bytes:
+        """The key of timeline entry ``event_id`` (``<kind>/<node id>/<n>``: segments of
+        the node-id character set, made by ``coordinator.core.events.event_id``).
+
+        Raises:
+            ConfigError: a segment is not of the node-id form.
+        """
+        for segment in event_id.split("/"):
+            validate_node_id(segment)
+        return self.events_prefix + event_id.encode("ascii")
 
     def store_prefix(self, round: int) -> bytes:
         """``…/store/<round>/``: the folder of one round's Store (ends with ``/``).

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from coordinator.core.duty import CoordinatorDuty
 from coordinator.core.errors import EtcdElasticError
 from coordinator.core.etcd_client import EtcdClient
+from coordinator.core.event_log import EventLog
 from coordinator.core.keys import RunKeys
 from coordinator.core.membership import NodeMembership
 from coordinator.core.threads import DeathListener
@@ -40,6 +41,7 @@ class Participation:
             this node's lease changes.
         on_death: told when a background thread of this participation dies.
         clock: monotonic seconds.
+        events: the run's timeline, for the duty (None: not recorded).
     """
 
     def __init__(
@@ -53,6 +55,7 @@ class Participation:
         on_change: Callable[[], None],
         on_death: DeathListener,
         clock: Callable[[], float],
+        events: EventLog | None = None,
     ) -> None:
         self.node_id = node_id
         self._on_change = on_change
@@ -60,8 +63,9 @@ class Participation:
         self.view = StateView(client, keys.state, on_death=on_death)
         self.view.subscribe(on_change)
         self.duty = CoordinatorDuty(
-            client, keys, self.view, limits, self.member.current, clock=clock, on_death=on_death
-        )
+            client, keys, self.view, limits, self.member.current,
+            clock=clock, on_death=on_death, events=events,
+        )  # fmt: skip
 
     def start(self) -> None:
         """Watch the state (RPCs: call it outside any lock), then take up the duty."""

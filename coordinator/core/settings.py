@@ -18,6 +18,8 @@ timeout             900        default timeout of blocking Store get/wait (torch
 lease_ttl           5          seconds a dead node keeps its key (whole number, 1-600)
 retention           7200       seconds etcd keeps the state of a run an agent closed
                                (finished or failed) before removing it; 0: until gc
+events_limit        5000       events kept in the run's timeline (10-1000000); the
+                               oldest beyond it are deleted
 key_prefix          /etcd-elastic   etcd folder holding every run
 protocol            http       http or https (an https:// endpoint implies https)
 ssl_cert            -          client certificate file (with ssl_cert_key)
@@ -83,6 +85,7 @@ _OWN_CONF_KEYS = (
     *_TIMEOUT_KEYS,
     "lease_ttl",
     "retention",
+    "events_limit",
     "key_prefix",
     "protocol",
     "ssl_cert",
@@ -105,6 +108,7 @@ _DEFAULT_PORT = 2379
 _MAX_LEASE_TTL = 600
 # etcd's own limit on a lease's TTL (MaxLeaseTTL, about 285 years).
 _MAX_RETENTION = 9_000_000_000
+_EVENTS_LIMITS = (10, 1_000_000)
 # One unary RPC attempt never waits longer than this; read_timeout bounds the retries.
 _MAX_REQUEST_TIMEOUT = 5.0
 _HOST_RE = re.compile(r"[A-Za-z0-9._-]+")
@@ -213,6 +217,13 @@ def _whole_seconds(key: str, value: object) -> int:
     raise ConfigError(f"rdzv_conf {key}={value!r} is not a whole number of seconds")
 
 
+def _whole_number(key: str, value: object) -> int:
+    try:
+        return _whole_seconds(key, value)
+    except ConfigError:
+        raise ConfigError(f"rdzv_conf {key}={value!r} is not a whole number") from None
+
+
 def _text(key: str, value: object) -> str | None:
     if value is None:
         return None
@@ -267,6 +278,7 @@ class RendezvousSettings:
     store_timeout: float = 900.0
     lease_ttl: int = 5
     retention: float = 7200.0
+    events_limit: int = 5000
     key_prefix: str = DEFAULT_KEY_PREFIX
     protocol: Literal["http", "https"] = "http"
     ssl_cert: str | None = None
@@ -313,6 +325,16 @@ class RendezvousSettings:
             raise ConfigError(
                 f"rdzv_conf retention={self.retention!r} must be 0 (keep until rdzvctl gc) "
                 f"or up to {_MAX_RETENTION} seconds"
+            )
+        low, high = _EVENTS_LIMITS
+        if (
+            isinstance(self.events_limit, bool)
+            or not isinstance(self.events_limit, int)
+            or not low <= self.events_limit <= high
+        ):
+            raise ConfigError(
+                f"rdzv_conf events_limit={self.events_limit!r} must be a whole number of "
+                f"events from {low} to {high}"
             )
         validate_key_prefix(self.key_prefix)
         if self.protocol not in ("http", "https"):
@@ -388,6 +410,7 @@ class RendezvousSettings:
         elif user is not None and password_file is None:
             password = os.environ.get(PASSWORD_ENV) or None
         retention_raw = conf.get("retention")
+        events_raw = conf.get("events_limit")
         return cls(
             run_id=params.run_id,
             min_nodes=params.min_nodes,
@@ -401,6 +424,7 @@ class RendezvousSettings:
             store_timeout=timeouts.get("timeout", 900.0),
             lease_ttl=5 if lease_raw is None else _whole_seconds("lease_ttl", lease_raw),
             retention=7200.0 if retention_raw is None else _seconds("retention", retention_raw),
+            events_limit=5000 if events_raw is None else _whole_number("events_limit", events_raw),
             key_prefix=_text("key_prefix", conf.get("key_prefix")) or DEFAULT_KEY_PREFIX,
             protocol="https" if protocol == "https" else "http",
             ssl_cert=_text("ssl_cert", conf.get("ssl_cert")),

@@ -14,10 +14,44 @@ class CloseMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CLOSE_MODE_FINISHED: _ClassVar[CloseMode]
     CLOSE_MODE_FAILED: _ClassVar[CloseMode]
     CLOSE_MODE_DRAIN: _ClassVar[CloseMode]
+
+class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EVENT_KIND_UNSPECIFIED: _ClassVar[EventKind]
+    EVENT_KIND_JOINED: _ClassVar[EventKind]
+    EVENT_KIND_DEPARTED: _ClassVar[EventKind]
+    EVENT_KIND_ROUND_COMPLETED: _ClassVar[EventKind]
+    EVENT_KIND_RESTARTED: _ClassVar[EventKind]
+    EVENT_KIND_CLOSED: _ClassVar[EventKind]
+    EVENT_KIND_DRAIN_REQUESTED: _ClassVar[EventKind]
+    EVENT_KIND_FAULT: _ClassVar[EventKind]
+
+class DepartureCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DEPARTURE_CAUSE_UNSPECIFIED: _ClassVar[DepartureCause]
+    DEPARTURE_CAUSE_LEASE_EXPIRED: _ClassVar[DepartureCause]
+    DEPARTURE_CAUSE_LEFT: _ClassVar[DepartureCause]
+    DEPARTURE_CAUSE_DRAINED: _ClassVar[DepartureCause]
+    DEPARTURE_CAUSE_QUARANTINED: _ClassVar[DepartureCause]
+    DEPARTURE_CAUSE_HUNG: _ClassVar[DepartureCause]
 CLOSE_MODE_UNSPECIFIED: CloseMode
 CLOSE_MODE_FINISHED: CloseMode
 CLOSE_MODE_FAILED: CloseMode
 CLOSE_MODE_DRAIN: CloseMode
+EVENT_KIND_UNSPECIFIED: EventKind
+EVENT_KIND_JOINED: EventKind
+EVENT_KIND_DEPARTED: EventKind
+EVENT_KIND_ROUND_COMPLETED: EventKind
+EVENT_KIND_RESTARTED: EventKind
+EVENT_KIND_CLOSED: EventKind
+EVENT_KIND_DRAIN_REQUESTED: EventKind
+EVENT_KIND_FAULT: EventKind
+DEPARTURE_CAUSE_UNSPECIFIED: DepartureCause
+DEPARTURE_CAUSE_LEASE_EXPIRED: DepartureCause
+DEPARTURE_CAUSE_LEFT: DepartureCause
+DEPARTURE_CAUSE_DRAINED: DepartureCause
+DEPARTURE_CAUSE_QUARANTINED: DepartureCause
+DEPARTURE_CAUSE_HUNG: DepartureCause
 
 class Participant(_message.Message):
     __slots__ = ("node_id", "rank")
@@ -150,3 +184,33 @@ class NodeRecord(_message.Message):
     free_port: int
     incarnation: int
     def __init__(self, schema_version: _Optional[int] = ..., node_id: _Optional[str] = ..., addr: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., local_world_size: _Optional[int] = ..., role: _Optional[str] = ..., wanted_round: _Optional[int] = ..., lease_id: _Optional[int] = ..., started_at_unix_ms: _Optional[int] = ..., free_port: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class RunEvent(_message.Message):
+    __slots__ = ("schema_version", "kind", "node_id", "cause", "round", "members", "revision", "unix_ms", "written_by", "summary", "restart_count", "close_mode", "incarnation")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_BY_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_MODE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    kind: EventKind
+    node_id: str
+    cause: DepartureCause
+    round: int
+    members: _containers.RepeatedCompositeFieldContainer[Participant]
+    revision: int
+    unix_ms: int
+    written_by: str
+    summary: str
+    restart_count: int
+    close_mode: CloseMode
+    incarnation: int
+    def __init__(self, schema_version: _Optional[int] = ..., kind: _Optional[_Union[EventKind, str]] = ..., node_id: _Optional[str] = ..., cause: _Optional[_Union[DepartureCause, str]] = ..., round: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., revision: _Optional[int] = ..., unix_ms: _Optional[int] = ..., written_by: _Optional[str] = ..., summary: _Optional[str] = ..., restart_count: _Optional[int] = ..., close_mode: _Optional[_Union[CloseMode, str]] = ..., incarnation: _Optional[int] = ...) -> None: ...

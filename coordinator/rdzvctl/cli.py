@@ -49,7 +49,9 @@ __all__ = [
 ]
 
 PROG = "rdzvctl"
-COMMANDS = ("status", "watch", "list", "close", "drain", "gc")
+COMMANDS = ("status", "watch", "events", "timeline", "list", "close", "drain", "gc")
+# What rdzvctl timeline can write (matplotlib's formats that open anywhere).
+TIMELINE_FORMATS = (".png", ".svg", ".pdf")
 DEFAULT_ENDPOINT = "127.0.0.1:2379"
 DEFAULT_READ_TIMEOUT = 10.0
 PASSWORD_ENV = "RDZVCTL_PASSWORD"
@@ -75,6 +77,11 @@ commands:
   status RUN        round, state, participants with rank, host, pid, workers and lease
                     time left; wait, redundancy and lost lists; closed; nodes alive
   watch RUN         one line per change, as it happens, until Ctrl-C (or --count/--timeout)
+  events RUN        the run's timeline in order: joins, departures with their cause,
+                    rounds with ranks, restarts with their root cause, closes;
+                    --follow prints new ones until Ctrl-C; --json one object per line
+  timeline RUN -o F draw that timeline (F: .png, .svg or .pdf): nodes against time,
+                    rounds as bands, faults marked (needs matplotlib)
   list              every run under --key-prefix with its state
   close RUN         end the run: agents finish their current attempt and exit 0;
                     no node joins it again (once all have left, the same run id
@@ -226,6 +233,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="stop after N changes")  # fmt: skip
     watch.add_argument("--timeout", metavar="SECONDS", default=None,
                        help="stop after this many seconds")  # fmt: skip
+    events = command("events", "print a run's timeline in order (joins, rounds, faults)")
+    events.add_argument("run", metavar="RUN", help="the run id (--rdzv-id of the agents)")
+    events.add_argument("--follow", "-f", dest="follow", action="store_true",
+                        help="then print new events as they are written, until Ctrl-C")  # fmt: skip
+    timeline = command("timeline", "draw a run's timeline: nodes against time, rounds, faults")
+    timeline.add_argument("run", metavar="RUN", help="the run id (--rdzv-id of the agents)")
+    timeline.add_argument("-o", "--output", dest="output", metavar="FILE", required=True,
+                          help="the picture to write: .png, .svg or .pdf")  # fmt: skip
     command("list", "list the runs under the key prefix with their state")
     close = command("close", "end a run: agents finish their current attempt and exit 0")
     close.add_argument("run", metavar="RUN", help="the run id (--rdzv-id of the agents)")
@@ -258,6 +273,8 @@ class Options:
     reason: str | None = None
     older_than: float = 0.0
     dry_run: bool = False
+    follow: bool = False
+    output: str | None = None
 
 
 def _reword(exc: ConfigError, old: str, new: str) -> str:
@@ -283,6 +300,20 @@ def _file(flag: str, path: str | None) -> str | None:
         raise UsageError(flag, f"{path!r}: no such file")
     if not os.access(path, os.R_OK):
         raise UsageError(flag, f"{path!r}: file is not readable by this user")
+    return path
+
+
+def _output(path: str) -> str:
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in TIMELINE_FORMATS:
+        raise UsageError("-o", f"{path!r}: give a file ending in {', '.join(TIMELINE_FORMATS)}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError("-o", f"{path!r}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UsageError("-o", f"{path!r}: folder {folder} is not writable by this user")
+    if os.path.isdir(path):
+        raise UsageError("-o", f"{path!r} is a folder: give a file name")
     return path
 
 
@@ -414,6 +445,8 @@ def _check(ns: argparse.Namespace, environ: Mapping[str, str]) -> Options:
         reason=" ".join(reason.split()) if reason is not None else None,
         older_than=older_than,
         dry_run=bool(values.get("dry_run", False)),
+        follow=bool(values.get("follow", False)),
+        output=_output(values["output"]) if values.get("output") is not None else None,
     )
 
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
-from coordinator.core.errors import EtcdConnectionError, EtcdElasticError
+from coordinator.core.errors import CorruptValueError, EtcdConnectionError, EtcdElasticError
 from coordinator.core.etcd_client import EtcdClient
 from coordinator.core.keys import RunKeys
 from coordinator.rdzvctl.cli import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, PROG, Options
@@ -30,9 +30,11 @@ from coordinator.rdzvctl.format import (
     status_json,
     status_lines,
 )
+from coordinator.rdzvctl.history import read_history
 from coordinator.rdzvctl.model import RunSnapshot, list_runs, phase, read_run
 
 if TYPE_CHECKING:
+    from coordinator.core.events import Event
     from coordinator.rdzvctl.ops import GcResult
     from coordinator.rdzvctl.watch import Change
 
@@ -160,6 +162,8 @@ def _close(client: EtcdClient, opts: Options, out: _Out) -> int:
 
 
 def _drain(client: EtcdClient, opts: Options, out: _Out) -> int:
+    from coordinator.core.event_log import record_event
+    from coordinator.core.events import Event
     from coordinator.core.executor import StateExecutor
     from coordinator.core.transitions import drain
 
@@ -172,25 +176,112 @@ def _drain(client: EtcdClient, opts: Options, out: _Out) -> int:
             f"see {PROG} status {keys.run_id}"
         )
     executor = StateExecutor(client, keys, written_by=_operator())
+
+    def asked(revision: int) -> None:
+        # The run's timeline: who asked, at the drain's revision (the node may be gone,
+        # and its "drained" departure written, before this write lands).
+        event = Event("drain_requested", node_id=node, revision=revision)
+        record_event(client, keys, event, written_by=_operator())
+
     for _ in range(_DRAIN_TRIES):
         known = executor.read()
         if known[0].closed:
             raise _Failed(f"run {keys.run_id} is closed: its nodes are leaving already")
         actions = drain(known[0], node)
-        if opts.json and (not actions or executor.commit(known, actions).succeeded):
+        done = executor.commit(known, actions) if actions else None
+        if done is not None and not done.succeeded:
+            continue
+        if done is not None:
+            asked(done.revision)
+        if opts.json:
             out.data({"run_id": keys.run_id, "node_id": node, "changed": bool(actions)})
-            return EXIT_OK
-        if not actions:
+        elif not actions:
             out.lines([f"node {node} of run {keys.run_id} was asked to leave already"])
-            return EXIT_OK
-        if not opts.json and executor.commit(known, actions).succeeded:
+        else:
             out.lines(
                 [f"node {node} of run {keys.run_id} asked to leave: its workers get the "
                  "agent's drain signal and grace, the others re-form without it, and its "
                  "agent exits 0"]
             )  # fmt: skip
-            return EXIT_OK
+        return EXIT_OK
     raise _Failed(f"could not drain {node}: the state of run {keys.run_id} kept changing")
+
+
+def _no_events(keys: RunKeys) -> _Failed:
+    return _Failed(
+        f"run {keys.run_id!r} has no events: nothing under {keys.events_prefix.decode()} "
+        "(agents older than the run timeline record none)"
+    )
+
+
+def _events(client: EtcdClient, opts: Options, out: _Out) -> int:
+    import queue
+
+    from coordinator.rdzvctl.history import Stop, event_json, event_line, follow_history
+
+    keys = _run_keys(opts)
+    _require_run(client, keys)
+
+    def emit(event: Event) -> None:
+        text = json.dumps(event_json(keys.run_id, event), sort_keys=True) if opts.json else None
+        out.out.write((text or event_line(event)) + "\n")
+        out.out.flush()
+
+    def on_error(exc: CorruptValueError) -> None:
+        out.warn(f"skipped: {exc}")
+
+    if not opts.follow:
+        history = read_history(client, keys)
+        for error in history.errors:
+            on_error(error)
+        if not history.events:
+            raise _no_events(keys)
+        for event in history.events:
+            emit(event)
+        return EXIT_OK
+    inbox: queue.Queue[Any] = queue.Queue()
+    installed = threading.current_thread() is threading.main_thread()
+    previous: Any = signal.SIG_DFL
+    if installed:
+        # As watch: Ctrl-C only queues a stop; the loop ends at its next wake-up.
+        previous = signal.signal(signal.SIGINT, lambda _sig, _frame: inbox.put(Stop()))
+    try:
+        follow_history(client, keys, emit, on_error, inbox)
+    finally:
+        if installed:
+            signal.signal(signal.SIGINT, previous)
+    return EXIT_OK
+
+
+def _timeline(client: EtcdClient, opts: Options, out: _Out) -> int:
+    from coordinator.rdzvctl.timeline import draw, prepare
+
+    keys = _run_keys(opts)
+    _require_run(client, keys)
+    history = read_history(client, keys)
+    for error in history.errors:
+        out.warn(f"skipped: {error}")
+    if not history.events:
+        raise _no_events(keys)
+    try:
+        data = prepare(keys.run_id, history.events)
+    except ValueError as exc:
+        raise _Failed(str(exc)) from None
+    path = opts.output or ""
+    try:
+        draw(data, path)
+    except ImportError:
+        raise _Failed(
+            "timeline needs matplotlib, which is not installed: "
+            "pip install 'etcd-elastic[timeline]' (or pip install matplotlib)"
+        ) from None
+    except OSError as exc:
+        raise _Failed(f"could not write {path}: {exc.strerror or exc}") from None
+    out.lines(
+        [f"wrote {path}: {len(data.nodes)} node(s), {len(data.bands)} round(s), "
+         f"{len(data.marks)} mark(s) from {len(history.events)} event(s)"]
+    )  # fmt: skip
+    return EXIT_OK
 
 
 def _gc(client: EtcdClient, opts: Options, out: _Out) -> int:
@@ -259,6 +350,8 @@ def _watch(client: EtcdClient, opts: Options, out: _Out) -> int:
 _COMMANDS: dict[str, Callable[[EtcdClient, Options, _Out], int]] = {
     "status": _status,
     "watch": _watch,
+    "events": _events,
+    "timeline": _timeline,
     "list": _list,
     "close": _close,
     "drain": _drain,

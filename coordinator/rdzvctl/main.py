@@ -52,4 +52,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run_command(opts, sys.stdout, sys.stderr)
     except KeyboardInterrupt:
-        return EXIT_OK if opts.command == "watch" else 130
+        return EXIT_OK if opts.command == "watch" or opts.follow else 130

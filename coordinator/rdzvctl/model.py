@@ -76,7 +76,9 @@ class RunSnapshot:
         nodes: live node records, oldest key first (the coordinator is the first).
         store_keys: how many keys the run's torch Store holds (all rounds).
         progress: readable progress records (``progress/``), by node id.
-        foreign_keys: keys under the run that are not state, nodes/, progress/ or store/.
+        event_keys: how many events the run's timeline holds (events/).
+        foreign_keys: keys under the run that are not state, nodes/, progress/, store/ or
+            events/.
         errors: one message per value that did not decode, each naming its key.
         unreadable_keys: the keys of those values, as text.
     """
@@ -90,6 +92,7 @@ class RunSnapshot:
     store_keys: int = 0
     progress: tuple[NodeProgress, ...] = ()
     foreign_keys: tuple[str, ...] = ()
+    event_keys: int = 0
     errors: tuple[str, ...] = ()
     unreadable_keys: tuple[str, ...] = ()
 
@@ -109,6 +112,7 @@ class RunSnapshot:
             self.state_mod_revision
             or self.nodes
             or self.store_keys
+            or self.event_keys
             or self.foreign_keys
             or self.errors
         )
@@ -212,6 +216,7 @@ def read_run(client: EtcdClient, keys: RunKeys, *, lease_ttls: bool = False) -> 
     state_kv, state_revision = client.get(keys.state)
     node_kvs, nodes_revision = client.get_prefix(keys.nodes_prefix)
     store_keys, _ = client.count_prefix(keys.store_root)
+    event_keys, _ = client.count_prefix(keys.events_prefix)
     total, _ = client.count_prefix(keys.run_prefix)
     errors: list[CorruptValueError] = []
     state: RdzvState | None = None
@@ -228,14 +233,16 @@ def read_run(client: EtcdClient, keys: RunKeys, *, lease_ttls: bool = False) -> 
     if lease_ttls:
         nodes = tuple(replace(n, ttl_left=client.lease_time_to_live(n.lease)) for n in nodes)
     foreign: tuple[str, ...] = ()
-    if total > store_keys + len(node_kvs) + len(progress_kvs) + (state_kv is not None):
+    if total > store_keys + event_keys + len(node_kvs) + len(progress_kvs) + (state_kv is not None):
         # Rare (someone wrote under our prefix): only then list the run's keys by name.
         every, _ = client.get_prefix(keys.run_prefix, keys_only=True)
         foreign = tuple(
             kv.key.decode("utf-8", "backslashreplace")
             for kv in every
             if kv.key != keys.state
-            and not kv.key.startswith((keys.nodes_prefix, keys.store_root, keys.progress_prefix))
+            and not kv.key.startswith(
+                (keys.nodes_prefix, keys.store_root, keys.progress_prefix, keys.events_prefix)
+            )
         )
     return RunSnapshot(
         keys=keys,
@@ -246,6 +253,7 @@ def read_run(client: EtcdClient, keys: RunKeys, *, lease_ttls: bool = False) -> 
         nodes_revision=nodes_revision,
         store_keys=store_keys,
         progress=progress,
+        event_keys=event_keys,
         foreign_keys=foreign,
         errors=tuple(str(e) for e in errors),
         unreadable_keys=tuple(e.key for e in errors),

@@ -37,7 +37,7 @@ class GcVerdict:
     run_id: str
     collect: bool
     reason: str
-    keys: int  # keys that would go: the state key and the store's keys
+    keys: int  # keys that would go: the state key, the store's keys and the events
 
 
 def _age(now_ms: int, then_ms: int) -> str:
@@ -62,7 +62,7 @@ def gc_verdict(snapshot: RunSnapshot, now_ms: int, older_than_ms: int) -> GcVerd
     well above their skew.
     """
     run_id = snapshot.run_id
-    ours = snapshot.store_keys + (1 if snapshot.state_mod_revision else 0)
+    ours = snapshot.store_keys + snapshot.event_keys + (1 if snapshot.state_mod_revision else 0)
 
     def keep(reason: str) -> GcVerdict:
         return GcVerdict(run_id, False, reason, ours)
@@ -108,10 +108,11 @@ def collect_run(client: EtcdClient, snapshot: RunSnapshot, *, written_by: str) -
 
     Steps, each guarded so that a run that came back to life is left alone: (1) in one
     transaction guarded by the state's mod_revision, write the state closed (keeping an
-    existing reason) and delete the store; from then on a node that arrives finds the run
-    closed instead of forming a round whose keys are being deleted; (2) if a node key
-    appeared meanwhile, stop (the run stays closed); (3) delete the state key guarded by
-    the revision written in (1). Node keys are never deleted: they belong to live leases.
+    existing reason) and delete the store and the run's events; from then on a node that
+    arrives finds the run closed instead of forming a round whose keys are being deleted;
+    (2) if a node key appeared meanwhile, stop (the run stays closed); (3) delete the state
+    key guarded by the revision written in (1). Node keys are never deleted: they belong
+    to live leases.
 
     Raises:
         CorruptValueError: the state changed to a value we cannot read.
@@ -123,7 +124,7 @@ def collect_run(client: EtcdClient, snapshot: RunSnapshot, *, written_by: str) -
     first = executor.commit(
         (state, snapshot.state_mod_revision),
         close(state, GC_REASON, "finished"),
-        delete_prefixes=[keys.store_root],
+        delete_prefixes=[keys.store_root, keys.events_prefix],
     )
     if not first.succeeded:
         return GcResult(snapshot.run_id, False, "skipped: its state changed since it was read")
@@ -137,4 +138,5 @@ def collect_run(client: EtcdClient, snapshot: RunSnapshot, *, written_by: str) -
     if not executor.remove(first.revision):
         return GcResult(snapshot.run_id, False, "stopped: its state changed during removal")
     left = f"; {len(snapshot.foreign_keys)} foreign key(s) left" if snapshot.foreign_keys else ""
-    return GcResult(snapshot.run_id, True, f"removed {snapshot.store_keys + 1} key(s){left}")
+    removed = snapshot.store_keys + snapshot.event_keys + 1
+    return GcResult(snapshot.run_id, True, f"removed {removed} key(s){left}")

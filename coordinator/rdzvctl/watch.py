@@ -178,8 +178,10 @@ class Tracker:
             if revision <= self._nodes_guard:
                 return []
             return self._node_event(event, revision, shown)
-        if key.startswith((keys.store_root, keys.progress_prefix)):
-            return []  # progress changes about once a second per node: status shows it
+        if key.startswith((keys.store_root, keys.progress_prefix, keys.events_prefix)):
+            # The Store's keys; progress (about once a second per node: status shows it);
+            # the timeline (rdzvctl events --follow).
+            return []
         text = f"key {shown} {'deleted' if event.kind == 'delete' else 'written'} (not ours)"
         return [Change(revision, "foreign_key", text)]
 

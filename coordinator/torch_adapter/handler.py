@@ -52,6 +52,8 @@ from coordinator.core.errors import (
     RunEndedWhileWaitingError,
 )
 from coordinator.core.etcd_client import EtcdClient, EtcdObserver, backoff_delay
+from coordinator.core.event_log import EventLog, record_event
+from coordinator.core.events import Event
 from coordinator.core.executor import StateExecutor
 from coordinator.core.hang_board import ProgressBoard
 from coordinator.core.keys import make_node_id
@@ -131,6 +133,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         # _on_thread_death); num_nodes_waiting() counts it so the agent re-rendezvouses.
         self._rejoin: str | None = None
         self._unlisten: Callable[[], None] | None = None
+        self._events: EventLog | None = None
         self._started_ms = int(time.time() * 1000)
         self.last_round = -1
         """The round of this node's last completed rendezvous (-1: none yet)."""
@@ -166,6 +169,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         parts = Participation(
             self._etcd(), self._keys, self.node_id, self._settings.lease_ttl, self._limits,
             on_change=self._notify, on_death=self._on_thread_death, clock=self._clock,
+            events=self._event_log(),
         )  # fmt: skip
         try:
             parts.view.start()
@@ -208,6 +212,47 @@ class EtcdRendezvousHandler(RendezvousHandler):
         with self._lock:
             return self._parts
 
+    def _event_log(self) -> EventLog:
+        """The run's timeline, written in the background (made at the first use)."""
+        client = self._etcd()
+        with self._lock:
+            if self._events is None:
+                self._events = EventLog(
+                    client, self._keys, written_by=self.node_id, limit=self._settings.events_limit
+                )
+            return self._events
+
+    def _say_departing(self, parts: Participation) -> None:
+        """Record this node's departure before its lease goes (``left``, or ``drained``
+        when an operator asked): the coordinator, seeing the key go, then records nothing
+        more (the same event id, first write wins) instead of "lease expired"."""
+        me = parts.member.current()
+        if me is None or parts.member.lost():
+            return  # no key, or the lease ended already: that is what the others see
+        state = parts.view.peek()
+        drained = self.node_id in state.draining
+        record_event(
+            self._etcd(),
+            self._keys,
+            Event(
+                "departed",
+                node_id=self.node_id,
+                cause="drained" if drained else "left",
+                round=state.round,
+                incarnation=self.incarnation,
+                generation=me.create_revision,
+            ),
+            written_by=self.node_id,
+        )
+
+    def record_event(self, event: Event) -> None:
+        """Append ``event`` to the run's timeline in the background (never blocks, never
+        raises). The agent records its counted restarts with it."""
+        try:
+            self._event_log().submit([event])
+        except EtcdElasticError as exc:
+            log.warning("node %s: event not recorded: %s", self.node_id, exc)
+
     def _notify(self) -> None:
         self._listeners.notify()
 
@@ -224,6 +269,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         log.error("node %s leaves run %s to re-join: %s", self.node_id, self._keys.run_id, died)
 
         def teardown() -> None:
+            self._say_departing(parts)
             parts.close()
             self._notify()
 
@@ -531,7 +577,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 return
             self._left = True
             parts, self._parts = self._parts, None
+            events = self._events
+        if events is not None:
+            events.close()
         if parts is not None:
+            self._say_departing(parts)
             parts.close()
         if self._unlisten is not None:
             self._unlisten()

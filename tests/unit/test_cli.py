@@ -20,7 +20,7 @@ from agent.config import LaunchConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 KNOWN_KEYS = (
-    "ca_cert, close_timeout, is_host, join_timeout, keep_alive_interval, "
+    "ca_cert, close_timeout, events_limit, is_host, join_timeout, keep_alive_interval, "
     "keep_alive_max_attempt, key_prefix, last_call_timeout, lease_ttl, password, password_file, "
     "protocol, rank, read_timeout, retention, ssl_cert, ssl_cert_key, store_type, timeout, user"
 )

@@ -3,6 +3,7 @@ good values in either position; durations; and ``--help`` answers without grpc."
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,7 @@ def error_of(
     return err.rstrip("\n")
 
 
-COMMANDS = "status, watch, list, close, drain, gc"
+COMMANDS = "status, watch, events, timeline, list, close, drain, gc"
 ID_RULE = "use 1-128 characters from A-Z a-z 0-9 . _ - starting with a letter or digit"
 
 
@@ -96,6 +97,16 @@ ID_RULE = "use 1-128 characters from A-Z a-z 0-9 . _ - starting with a letter or
             "NODE: 'bad/node' is invalid: use 1-128 characters from A-Z a-z 0-9 . _ - "
             "starting with a letter or digit",
         ),
+        (["events"], "RUN: missing; see rdzvctl events --help"),
+        (["timeline", "x"], "-o/--output: missing; see rdzvctl timeline --help"),
+        (
+            ["timeline", "x", "-o", "run.txt"],
+            "-o: 'run.txt': give a file ending in .png, .svg, .pdf",
+        ),
+        (
+            ["timeline", "x", "-o", "/no/such/dir/run.png"],
+            "-o: '/no/such/dir/run.png': folder /no/such/dir does not exist",
+        ),
         (["gc"], "--older-than: missing; see rdzvctl gc --help"),
         (
             ["gc", "--older-than", "2 weeks"],
@@ -107,6 +118,26 @@ def test_bad_arguments_give_one_line_and_exit_2(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert error_of(argv, capsys) == f"rdzvctl: error: {message}"
+
+
+def test_timeline_output_must_be_a_writable_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "pics.png"
+    folder.mkdir()
+    assert error_of(["timeline", "x", "-o", str(folder)], capsys) == (
+        f"rdzvctl: error: -o: {str(folder)!r} is a folder: give a file name"
+    )
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        assert error_of(["timeline", "x", "-o", str(locked / "a.png")], capsys) == (
+            f"rdzvctl: error: -o: {str(locked / 'a.png')!r}: folder {locked} is not writable "
+            "by this user"
+        )
+    opts = parse_args(["timeline", "x", "-o", str(tmp_path / "a.SVG")], environ={})
+    assert (opts.command, opts.output, opts.follow) == ("timeline", str(tmp_path / "a.SVG"), False)
+    assert parse_args(["events", "x", "-f", "--json"], environ={}).follow
 
 
 def test_tls_file_checks_name_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -415,3 +415,28 @@ def test_password_source_errors(tmp_path: Path, kwargs: dict[str, str], message:
     with pytest.raises(ConfigError) as info:
         _settings(**kwargs)
     assert str(info.value) == message
+
+
+# --- events_limit (the run's timeline) ---------------------------------------------------
+
+
+def test_events_limit_defaults_to_5000_and_takes_whole_numbers() -> None:
+    assert _settings().events_limit == 5000
+    assert _settings(events_limit="10").events_limit == 10
+    assert _settings(events_limit=250_000).events_limit == 250_000
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("9", "rdzv_conf events_limit=9 must be a whole number of events from 10 to 1000000"),
+        ("1000001", "rdzv_conf events_limit=1000001 must be a whole number of events from 10 "
+         "to 1000000"),
+        ("lots", "rdzv_conf events_limit='lots' is not a whole number"),
+        ("2.5", "rdzv_conf events_limit='2.5' is not a whole number"),
+    ],
+)  # fmt: skip
+def test_a_bad_events_limit_is_refused_naming_it(value: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        _settings(events_limit=value)
+    assert str(info.value) == message

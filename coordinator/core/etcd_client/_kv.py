@@ -198,6 +198,62 @@ class _KV(_Connection):
         ]
         return self._guarded_txn("put_if_mod_revision", key, mod_revision, success, fence)
 
+    def create_many(
+        self, items: Sequence[tuple[bytes, bytes]], *, budget: float | None = None
+    ) -> tuple[list[bool], int]:
+        """Put each ``(key, value)`` only if the key is absent, in one transaction.
+
+        Each put is a nested transaction of its own (etcd >= 3.3), so one key that exists
+        does not stop the others. No lease: the keys outlive the writer. ``budget``
+        bounds the retries (default: the client's ``retry_budget``); a retry after an
+        unknown outcome is safe, the keys it wrote are simply not written again.
+
+        Returns:
+            For each item, whether this call created it; and the header revision.
+        """
+        _check_txn_ops([k for k, _ in items], ())
+        success = [
+            etcdrpc.RequestOp(
+                request_txn=etcdrpc.TxnRequest(
+                    compare=[
+                        etcdrpc.Compare(
+                            key=k,
+                            target=etcdrpc.Compare.VERSION,
+                            result=etcdrpc.Compare.EQUAL,
+                            version=0,
+                        )
+                    ],
+                    success=[etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=k, value=v))],
+                )
+            )
+            for k, v in items
+        ]
+        request = etcdrpc.TxnRequest(success=success)
+        first = items[0][0] if items else None
+        rsp = self._unary(
+            "create_many",
+            lambda s, t, m: s.kv.Txn(request, timeout=t, metadata=m),
+            key=first,
+            budget=budget,
+        )
+        created = [bool(r.response_txn.succeeded) for r in rsp.responses]
+        return created, int(rsp.header.revision)
+
+    def delete_keys(self, keys: Sequence[bytes], *, budget: float | None = None) -> int:
+        """Delete each of ``keys`` (absent ones are skipped) in one transaction; return
+        the header revision."""
+        success = [
+            etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=k)) for k in keys
+        ]
+        request = etcdrpc.TxnRequest(success=success)
+        rsp = self._unary(
+            "delete_keys",
+            lambda s, t, m: s.kv.Txn(request, timeout=t, metadata=m),
+            key=keys[0] if keys else None,
+            budget=budget,
+        )
+        return int(rsp.header.revision)
+
     def delete_if_mod_revision(self, key: bytes, mod_revision: int) -> TxnResult:
         """Delete ``key`` only if its mod_revision is still ``mod_revision``."""
         success = [etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=key))]

@@ -1,0 +1,399 @@
+"""A run's timeline: the events kept at ``<prefix>/<run_id>/events/``, as plain values.
+
+What is recorded, and by whom (docs/timeline.md):
+
+* ``joined``: a node key appeared (the coordinator, from its node watch);
+* ``departed`` with a cause: ``lease_expired`` (its key went without the node saying it
+  leaves), ``left`` (it said so before revoking its lease), ``drained`` (an operator's
+  ``rdzvctl drain``), ``quarantined`` and ``hung`` (for the health check and the hang
+  detector: :func:`coordinator.core.event_log.record_event`);
+* ``round_completed`` with the members and their ranks (the coordinator that committed it);
+* ``restarted`` with the root cause (the agent making a counted restart);
+* ``closed`` with the mode and reason (whoever closed the run: an agent, ``rdzvctl close``);
+* ``drain_requested`` (``rdzvctl drain``) and ``fault`` (something noticed, no departure).
+
+Each event has an id that names the fact, not the writer (:func:`event_id`): two writers
+recording the same fact (a departing node and the coordinator that sees its key go; two
+coordinators, one after the other, that both saw a join) write the same key, and only the
+first write lands (put-if-absent). So a node that says "left" before revoking its lease is
+not also recorded as "lease expired".
+
+Order: by the etcd revision of the fact (``revision``: a node key's create revision, a
+commit's revision), else by the revision at which the event was written. Wall times are
+informational (``unix_ms``: the writer's clock; machines' clocks are never compared to
+order anything).
+
+Everything here is pure; writing is :mod:`coordinator.core.event_log`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from google.protobuf import json_format
+
+from coordinator.core.errors import CorruptValueError
+from coordinator.core.etcd_client import KeyValue
+from coordinator.core.state import CloseMode, NodeInfo, RdzvState
+from coordinator.core.transitions import Action, ActionKind
+from coordinator.generated import rendezvous_pb2 as pb
+
+__all__ = [
+    "EVENT_SCHEMA_VERSION",
+    "Cause",
+    "Event",
+    "EventKind",
+    "EventRecorder",
+    "decode_event",
+    "encode_event",
+    "event_id",
+    "events_of_commit",
+    "order_events",
+    "read_events",
+    "trim_count",
+]
+
+EVENT_SCHEMA_VERSION = 1
+
+EventKind = Literal[
+    "joined",
+    "departed",
+    "round_completed",
+    "restarted",
+    "closed",
+    "drain_requested",
+    "fault",
+]
+"""What happened (see the module docstring and ``EventKind`` in the .proto)."""
+
+Cause = Literal["", "lease_expired", "left", "drained", "quarantined", "hung"]
+"""Why a node departed (or what a fault was); "" for events that have none."""
+
+_KINDS: dict[str, int] = {
+    "joined": pb.EVENT_KIND_JOINED,
+    "departed": pb.EVENT_KIND_DEPARTED,
+    "round_completed": pb.EVENT_KIND_ROUND_COMPLETED,
+    "restarted": pb.EVENT_KIND_RESTARTED,
+    "closed": pb.EVENT_KIND_CLOSED,
+    "drain_requested": pb.EVENT_KIND_DRAIN_REQUESTED,
+    "fault": pb.EVENT_KIND_FAULT,
+}
+_KIND_NAMES = {v: k for k, v in _KINDS.items()}
+_CAUSES: dict[str, int] = {
+    "": pb.DEPARTURE_CAUSE_UNSPECIFIED,
+    "lease_expired": pb.DEPARTURE_CAUSE_LEASE_EXPIRED,
+    "left": pb.DEPARTURE_CAUSE_LEFT,
+    "drained": pb.DEPARTURE_CAUSE_DRAINED,
+    "quarantined": pb.DEPARTURE_CAUSE_QUARANTINED,
+    "hung": pb.DEPARTURE_CAUSE_HUNG,
+}
+_CAUSE_NAMES = {v: k for k, v in _CAUSES.items()}
+_MODES: dict[str, int] = {
+    "unspecified": pb.CLOSE_MODE_UNSPECIFIED,
+    "finished": pb.CLOSE_MODE_FINISHED,
+    "failed": pb.CLOSE_MODE_FAILED,
+    "drain": pb.CLOSE_MODE_DRAIN,
+}
+_MODE_NAMES: dict[int, CloseMode] = {
+    pb.CLOSE_MODE_UNSPECIFIED: "unspecified",
+    pb.CLOSE_MODE_FINISHED: "finished",
+    pb.CLOSE_MODE_FAILED: "failed",
+    pb.CLOSE_MODE_DRAIN: "drain",
+}
+# A summary is one line for people; a traceback belongs in the agent's log.
+_MAX_SUMMARY = 500
+
+
+@dataclass(frozen=True)
+class Event:
+    """One entry of a run's timeline.
+
+    Attributes:
+        kind: what happened.
+        node_id: the node it is about ("" for rounds and closes).
+        cause: why a node departed (or what a fault was).
+        round: the completed round (``round_completed``), else the last completed round
+            the writer knew of (0: none).
+        members: ``round_completed``: node ids in group-rank order (index = rank).
+        revision: the etcd revision of the fact (0: use ``written_revision``).
+        unix_ms: the writer's wall clock, informational.
+        written_by: a node id, or ``rdzvctl@host``.
+        summary: one line (a restart's root cause, a close's reason).
+        restart_count: ``restarted``: counted restarts so far, this one included.
+        close_mode: ``closed``: how.
+        incarnation: the incarnation of the run (0: not known to the writer).
+        written_revision: not stored: the create revision of the event's key (set when
+            read back from etcd).
+        key: not stored: the event's key, when read back.
+        generation: not stored: ``joined``/``departed``: the create revision of the
+            node's key (names the event, see :func:`event_id`; 0: ``revision``).
+    """
+
+    kind: EventKind
+    node_id: str = ""
+    cause: Cause = ""
+    round: int = 0
+    members: tuple[str, ...] = ()
+    revision: int = 0
+    unix_ms: int = 0
+    written_by: str = ""
+    summary: str = ""
+    restart_count: int = 0
+    close_mode: CloseMode = "unspecified"
+    incarnation: int = 0
+    written_revision: int = field(default=0, compare=False)
+    key: str = field(default="", compare=False)
+    generation: int = field(default=0, compare=False)
+
+    @property
+    def order(self) -> tuple[int, int, int]:
+        """Sort key: the fact's revision (else the write's), then the write's, then the
+        wall time (events written in one transaction share its revision; one writer's
+        times increase)."""
+        return (self.revision or self.written_revision, self.written_revision, self.unix_ms)
+
+
+def event_id(event: Event) -> str:
+    """The id of ``event``'s key under ``events/``: it names the fact, so that every
+    writer of the same fact writes the same key (the first write wins).
+
+    ``joined/<node>/<n>`` and ``departed/<node>/<n>`` (n: the create revision of the node's
+    key, which a re-join changes), ``round_completed/<round>``,
+    ``restarted/<node>/<restart count>``, ``closed/<incarnation>``, and for the rest
+    ``<kind>/<node or run>/<unix ms>``.
+    """
+    kind = event.kind
+    node = event.node_id or "run"
+    if kind in ("joined", "departed"):
+        return f"{kind}/{node}/{event.generation or event.revision}"
+    if kind == "round_completed":
+        return f"{kind}/{event.round}"
+    if kind == "restarted":
+        return f"{kind}/{node}/{event.restart_count}"
+    if kind == "closed":
+        return f"{kind}/{event.incarnation}"
+    return f"{kind}/{node}/{event.unix_ms}"
+
+
+def encode_event(event: Event) -> bytes:
+    """The stored form: compact protobuf JSON (fields at their default left out)."""
+    message = pb.RunEvent(
+        schema_version=EVENT_SCHEMA_VERSION,
+        kind=_KINDS[event.kind],  # type: ignore[arg-type]
+        node_id=event.node_id,
+        cause=_CAUSES[event.cause],  # type: ignore[arg-type]
+        round=event.round,
+        members=[pb.Participant(node_id=n, rank=r) for r, n in enumerate(event.members)],
+        revision=event.revision,
+        unix_ms=event.unix_ms,
+        written_by=event.written_by,
+        summary=_one_line(event.summary),
+        restart_count=event.restart_count,
+        close_mode=_MODES[event.close_mode],  # type: ignore[arg-type]
+        incarnation=event.incarnation,
+    )
+    fields = json_format.MessageToDict(message, preserving_proto_field_name=True)
+    return json.dumps(fields, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _one_line(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= _MAX_SUMMARY else line[: _MAX_SUMMARY - 1] + "…"
+
+
+def decode_event(key: str, raw: bytes, written_revision: int = 0) -> Event:
+    """Decode a stored event (``key`` names it in errors).
+
+    Raises:
+        CorruptValueError: not a RunEvent in JSON, no or a newer schema_version, or a
+            kind this version does not know.
+    """
+    message = pb.RunEvent()
+    try:
+        json_format.Parse(raw.decode("utf-8"), message, ignore_unknown_fields=False)
+    except (UnicodeDecodeError, json_format.ParseError) as exc:
+        raise CorruptValueError(key, f"not a RunEvent in JSON ({exc})") from exc
+    if message.schema_version == 0:
+        raise CorruptValueError(key, "no schema_version: not written by etcd-elastic")
+    if message.schema_version > EVENT_SCHEMA_VERSION:
+        raise CorruptValueError(
+            key,
+            f"schema_version {message.schema_version} is newer than this etcd-elastic "
+            f"understands ({EVENT_SCHEMA_VERSION}); upgrade rdzvctl",
+        )
+    kind = _KIND_NAMES.get(message.kind)
+    if kind is None:
+        raise CorruptValueError(key, f"event kind {message.kind} is unknown")
+    members = sorted(message.members, key=lambda p: p.rank)
+    return Event(
+        kind=kind,  # type: ignore[arg-type]
+        node_id=message.node_id,
+        cause=_CAUSE_NAMES.get(message.cause, ""),  # type: ignore[arg-type]
+        round=message.round,
+        members=tuple(p.node_id for p in members),
+        revision=message.revision,
+        unix_ms=message.unix_ms,
+        written_by=message.written_by,
+        summary=message.summary,
+        restart_count=message.restart_count,
+        close_mode=_MODE_NAMES.get(message.close_mode, "unspecified"),
+        incarnation=message.incarnation,
+        written_revision=written_revision,
+        key=key,
+    )
+
+
+def read_events(kvs: Iterable[KeyValue]) -> tuple[list[Event], list[CorruptValueError]]:
+    """Decode the keys of an ``events/`` read, in timeline order; the undecodable ones
+    are returned apart (a stray value must not hide the rest)."""
+    events: list[Event] = []
+    errors: list[CorruptValueError] = []
+    for kv in kvs:
+        shown = kv.key.decode("utf-8", "backslashreplace")
+        try:
+            events.append(decode_event(shown, kv.value, kv.create_revision))
+        except CorruptValueError as exc:
+            errors.append(exc)
+    return order_events(events), errors
+
+
+def order_events(events: Iterable[Event]) -> list[Event]:
+    """``events`` in timeline order (see :attr:`Event.order`)."""
+    return sorted(events, key=lambda e: e.order)
+
+
+def trim_count(count: int, limit: int) -> int:
+    """How many of the oldest events to delete when ``count`` are kept and the limit is
+    ``limit``: none until the count passes the limit by a tenth (so trimming is one
+    batch now and then, not a delete per write), then back down to the limit."""
+    slack = max(1, limit // 10)
+    return count - limit if count > limit + slack else 0
+
+
+def events_of_commit(
+    before: RdzvState,
+    after: RdzvState,
+    actions: Sequence[Action],
+    revision: int,
+    generations: Mapping[str, int],
+) -> list[Event]:
+    """The events a coordinator's successful commit records.
+
+    Args:
+        before, after: the state the commit was decided from, and the one it wrote.
+        actions: what it applied.
+        revision: the commit's etcd revision.
+        generations: node id -> create revision of its key, for the nodes the coordinator
+            has seen (a departure's id names the key that went).
+    """
+    out: list[Event] = []
+
+    def departed(node: str, cause: Cause) -> None:
+        out.append(
+            Event(
+                "departed",
+                node_id=node,
+                cause=cause,
+                round=before.round,
+                revision=revision,
+                incarnation=before.incarnation,
+                generation=generations.get(node, 0),
+            )
+        )
+
+    for action in actions:
+        kind = action.kind
+        if kind is ActionKind.MARK_RENDEZVOUS_COMPLETE:
+            out.append(
+                Event(
+                    "round_completed",
+                    round=after.round,
+                    members=after.participants,
+                    revision=revision,
+                    incarnation=after.incarnation,
+                )
+            )
+        elif kind is ActionKind.REMOVE_FROM_DRAINING:
+            for node in action.node_ids:
+                departed(node, "drained")
+        elif kind in (
+            ActionKind.REMOVE_FROM_PARTICIPANTS,
+            ActionKind.REMOVE_FROM_WAIT_LIST,
+            ActionKind.REMOVE_FROM_REDUNDANCY_LIST,
+        ):
+            for node in action.node_ids:
+                # A participant being drained is counted lost while its key still lives;
+                # its departure is recorded when the key goes (REMOVE_FROM_DRAINING).
+                if node not in before.draining:
+                    # Its key went without the node saying it leaves (a node that leaves
+                    # on its own records "left" first, and that write wins).
+                    departed(node, "lease_expired")
+        elif kind is ActionKind.MARK_RENDEZVOUS_CLOSED:
+            out.append(
+                Event(
+                    "closed",
+                    round=after.round,
+                    summary=action.reason,
+                    close_mode=action.mode,
+                    revision=revision,
+                    incarnation=after.incarnation,
+                )
+            )
+    return out
+
+
+class EventRecorder:
+    """The coordinator's part of the timeline: joins from its node table, rounds and
+    departures from its commits. Pure bookkeeping; the events go to a sink (the
+    background :class:`~coordinator.core.event_log.EventLog`).
+
+    Not thread-safe: called from the coordinator's thread only.
+    """
+
+    def __init__(self, written_by: str) -> None:
+        self._written_by = written_by
+        self._alive: set[str] = set()
+        self._generations: dict[str, int] = {}
+        self.pending: list[Event] = []
+
+    def observe(self, state: RdzvState, nodes: Mapping[str, NodeInfo]) -> None:
+        """Note the nodes whose key appeared since the last call (``joined``).
+
+        Set differences, so the coordinator's loop pays microseconds at 1000 nodes."""
+        ids = nodes.keys()
+        self._alive -= self._alive - ids
+        for node_id in ids - self._alive:
+            info = nodes[node_id]
+            self._alive.add(node_id)
+            self._generations[node_id] = info.create_revision
+            self.pending.append(
+                Event(
+                    "joined",
+                    node_id=node_id,
+                    round=state.round,
+                    revision=info.create_revision,
+                    incarnation=info.incarnation,
+                    written_by=self._written_by,
+                )
+            )
+
+    def committed(
+        self,
+        before: RdzvState,
+        after: RdzvState,
+        actions: Sequence[Action],
+        revision: int,
+    ) -> None:
+        """Note what a successful commit did (rounds, departures)."""
+        for event in events_of_commit(before, after, actions, revision, self._generations):
+            self.pending.append(replace(event, written_by=self._written_by))
+            if event.kind == "departed":
+                self._generations.pop(event.node_id, None)
+
+    def take(self) -> list[Event]:
+        """The events noted since the last call."""
+        taken, self.pending = self.pending, []
+        return taken
