@@ -57,6 +57,13 @@ def test_scenario_runs_at_smallest_size(scenario: str, systems: str) -> None:
         assert entry["n"] == 1
         assert entry["min"] <= entry["median"] <= entry["max"]
         assert "ratio_vs_torch_c10d" in entry
+    if scenario == "formation":
+        # Ours reports where the time went: keys written, then the commit, then the returns.
+        (path,) = entries["etcd-v3"]["critical_path"]
+        assert 0 < path["cp_last_key_s"] <= path["cp_commit_sent_s"] <= path["cp_commit_s"]
+        # A node may hear of the commit (watch) before the committer hears etcd's answer.
+        assert path["cp_commit_sent_s"] <= path["cp_first_return_s"] <= path["cp_last_return_s"]
+        assert path["commits"] == 1 and path["coordinator_cpu_s"] >= 0
 
 
 def test_etcd_ceiling_runs() -> None:
