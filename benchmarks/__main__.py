@@ -104,6 +104,8 @@ def _print_human(result: dict[str, Any]) -> None:
         print(f"  {name:8} median {med_s} ({result['unit']}), ratio {ratio_s}, errors {errors}")
         for index, path in enumerate(entry.get("critical_path", []), 1):
             print(f"    run {index}: {describe(path)}")
+        for error in entry.get("errors", []):
+            print(f"    {error}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

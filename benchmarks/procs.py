@@ -230,7 +230,11 @@ class NodeGroup:
         while len(got) < count:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RunError(f"{what}: {len(got)} of {count} answers after {timeout:.0f} s")
+                failed = [r for r in got if r.get("event") == "error"]
+                sample = f" ({len(failed)} errors, e.g. {failed[0].get('error')})" if failed else ""
+                raise RunError(
+                    f"{what}: {len(got)} of {count} answers after {timeout:.0f} s{sample}"
+                )
             try:
                 index, reply = self.replies.get(timeout=left)
             except queue.Empty:
