@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from benchmarks.critical_path import describe
 from benchmarks.scenarios import SCENARIOS, run_all, run_scenario
 from benchmarks.systems import ALL_SYSTEMS, CLIENT_MODES
 
@@ -101,6 +102,10 @@ def _print_human(result: dict[str, Any]) -> None:
         med_s = "-" if med is None else f"{med:.4g}"
         ratio_s = "-" if ratio is None else f"{ratio:.3g}"
         print(f"  {name:8} median {med_s} ({result['unit']}), ratio {ratio_s}, errors {errors}")
+        for index, path in enumerate(entry.get("critical_path", []), 1):
+            print(f"    run {index}: {describe(path)}")
+        for error in entry.get("errors", []):
+            print(f"    {error}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -146,14 +146,15 @@ _clients_lock = threading.Lock()
 
 
 def _shared_client(params: RendezvousParameters) -> Any:
-    from coordinator.core.etcd_client import EtcdClient
+    from benchmarks.critical_path import StampingClient
     from coordinator.core.settings import RendezvousSettings
 
     with _clients_lock:
         client = _clients.get(params.endpoint)
         if client is None:
+            # Stamps its node-key puts and state commits for the critical-path report.
             config = RendezvousSettings.from_parameters(params).etcd_config()
-            client = _clients[params.endpoint] = EtcdClient(config)
+            client = _clients[params.endpoint] = StampingClient(config)
         return client
 
 

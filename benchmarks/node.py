@@ -19,6 +19,9 @@ stdin and reads one JSON object per line from stdout:
   the handler announces a change (ours: ``subscribe``) or else every ``poll`` seconds, as
   torch's agent does every monitor interval; answers as above;
 - ``{"cmd": "counters", "id"}``: answers ``{"event": "counters", "id", "values"}``;
+- ``{"cmd": "stamps", "id", "since"}``: answers ``{"event": "stamps", "id", "values"}``,
+  this process's critical-path stamps taken at or after ``since`` and the CPU of its
+  threads since the last ``rendezvous`` command (``benchmarks.critical_path``);
 - ``{"cmd": "exit"}`` or end of input: the process exits at once (the run is over; its
   servers are thrown away, so nobody needs a clean leave).
 
@@ -126,9 +129,11 @@ def _build(spec: dict[str, Any], counters: Any) -> dict[int, Any] | None:
 
 
 def _serve(spec: dict[str, Any]) -> None:
+    from benchmarks import critical_path
     from benchmarks.handlers import Counters, handler_counters, release_handlers
 
     counters = Counters()
+    cpu_at_start: dict[int, tuple[str, float]] = {}
     handlers = _build(spec, counters)
     if handlers is None:
         return
@@ -145,6 +150,12 @@ def _serve(spec: dict[str, Any]) -> None:
             if handlers is None:
                 return
             continue
+        if kind == "stamps":
+            values = critical_path.process_report(float(cmd["since"]), cpu_at_start)
+            _emit({"event": "stamps", "id": cmd["id"], "values": values})
+            continue
+        if kind == "rendezvous":
+            cpu_at_start = critical_path.thread_cpu_by_id()
         if kind == "counters":
             values = counters.snapshot()
             values.update(handler_counters(list(handlers.values())))

@@ -206,6 +206,13 @@ class NodeGroup:
                 total[key] = total.get(key, 0) + int(value)
         return total
 
+    def stamps(self, since: float, timeout: float = 30.0) -> list[dict[str, Any]]:
+        """Every live process's critical-path stamps at or after ``since`` (see
+        ``benchmarks.critical_path.process_report``)."""
+        cmd_id = self.command({"cmd": "stamps", "since": since})
+        live = sum(1 for c in self.children if c.proc.poll() is None)
+        return [r["values"] for r in self._collect({"stamps"}, live, cmd_id, timeout, "stamps")]
+
     def _collect(
         self, kinds: set[str], count: int, cmd_id: int | None, timeout: float, what: str
     ) -> list[dict[str, Any]]:
@@ -223,7 +230,11 @@ class NodeGroup:
         while len(got) < count:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RunError(f"{what}: {len(got)} of {count} answers after {timeout:.0f} s")
+                failed = [r for r in got if r.get("event") == "error"]
+                sample = f" ({len(failed)} errors, e.g. {failed[0].get('error')})" if failed else ""
+                raise RunError(
+                    f"{what}: {len(got)} of {count} answers after {timeout:.0f} s{sample}"
+                )
             try:
                 index, reply = self.replies.get(timeout=left)
             except queue.Empty:

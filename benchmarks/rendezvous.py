@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from benchmarks import critical_path
 from benchmarks.procs import NodeGroup, RunError, cpu_seconds, split_nodes
 from benchmarks.runner import Sample
 from benchmarks.stats import etcd_activity, rank_problem
@@ -118,7 +119,11 @@ def formation_run(
         server0 = system.server_cpu()
         at = time.monotonic() + _START_MARGIN_S
         cmd = group.command({"cmd": "rendezvous", "at": at})
-        t_last = _check(group.results(cmd, nodes, timeout), nodes, f"formation of {nodes}")
+        try:
+            replies = group.results(cmd, nodes, timeout)
+        except RunError as exc:
+            raise RunError(f"{exc}; so far: {_so_far(group, at)}") from exc
+        t_last = _check(replies, nodes, f"formation of {nodes}")
         # Where the time went: CPU of the node processes and of the server meanwhile
         # (2 cores in all: a sum near 2 x the time means the machine was the limit).
         cpu = sum(cpu_seconds(p) for p in pids) - cpu0
@@ -127,9 +132,24 @@ def formation_run(
         delta = {k: v - base.get(k, 0) for k, v in after.items()}
         figures = _figures(system, before, delta)
         figures["nodes_cpu_s"] = cpu
+        # The critical path: last node key written, the commit, the last node returning.
+        t_ends = [float(r["t_end"]) for r in replies]
+        figures.update(critical_path.combine(at, t_ends, group.stamps(at)))
         if server0 is not None and server1 is not None:
             figures["server_cpu_s"] = server1 - server0
         return Sample(t_last - at, figures)
+
+
+def _so_far(group: NodeGroup, at: float) -> str:
+    """The stamps of a formation that did not finish: how far it got."""
+    try:
+        reports = group.stamps(at, timeout=10.0)
+    except RunError as exc:
+        return f"no stamps ({exc})"
+    keys = sum(r["node_key"]["count"] for r in reports if "node_key" in r)
+    leases = sum(r["lease_grant"]["count"] for r in reports if "lease_grant" in r)
+    path = critical_path.path_of(critical_path.combine(at, [], reports))
+    return f"{leases} leases granted, {keys} node keys written; {critical_path.describe(path)}"
 
 
 def _form(group: NodeGroup, nodes: list[int], timeout: float) -> None:

@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks import rendezvous
+from benchmarks import critical_path, rendezvous
 from benchmarks.rendezvous import GroupPool
 from benchmarks.runner import Sample, environment, finish, measure
 from benchmarks.systems import System
@@ -91,12 +91,18 @@ def formation(args: argparse.Namespace) -> Result:
     last_call = args.last_call or _LAST_CALL_FORMATION_S
     timeout = min(args.timeout, formation_bound(nodes))
     pool = GroupPool()
+    paths: dict[str, list[dict[str, float]]] = {}
 
     def run(system: System, _: int) -> Sample:
-        return rendezvous.formation_run(pool, system, nodes, args.processes, last_call, timeout)
+        sample = rendezvous.formation_run(pool, system, nodes, args.processes, last_call, timeout)
+        paths.setdefault(system.name, []).append(critical_path.path_of(sample.figures))
+        return sample
 
     shared = {"min_nodes": nodes, "max_nodes": nodes, "last_call_timeout": last_call}
     systems = _measure_pooled(args, run, shared, pool, slow_s=FORMATION_SLOW_S)
+    for name, entry in systems.items():
+        if paths.get(name):
+            entry["critical_path"] = paths[name]
     method = (
         f"{_layout(args, nodes)}; {_REUSE} Every node calls "
         "next_rendezvous() at one common start; time from that start to the last node "
@@ -104,7 +110,12 @@ def formation(args: argparse.Namespace) -> Result:
         "repeated); ranks checked to be a permutation of 0..N-1. etcd_proposals = raft "
         "proposals committed (every write request incl. failed CAS txns and lease grants), "
         "etcd_revision = successful key-changing txns, etcd_watch_events = events sent "
-        "to watchers; node_failed_cas / node_state_writes count torch's backend calls."
+        "to watchers; node_failed_cas / node_state_writes count torch's backend calls. "
+        "critical_path (ours, per run, s after the start): the last node key written "
+        "(cp_last_key_s), the round's commit sent and answered (cp_commit_sent_s, "
+        "cp_commit_s), the first and last node returning; coordinator_cpu_s = CPU of "
+        "the committing node's coordinator thread in the run, coordinator_watch_cpu_s = "
+        "its process's watch thread (which decodes the node keys it hears of)."
     )
     return _result("formation", f"N={nodes}", "seconds", method, systems)
 

@@ -267,18 +267,27 @@ class CoordinatorDuty:
                         if self._settle(me, result, ()):
                             return
                         continue
-                with self._nodes_lock:
-                    nodes = self._nodes.snapshot()
                 if self._events is not None:
-                    recorder.observe(state, nodes)
+                    with self._nodes_lock:
+                        appeared = self._nodes.take_appeared()
+                    recorder.appeared(state, appeared)
                 now = self._clock()
                 if deadline_round != state.round:
                     # Another coordinator moved the run on: a last call belongs to the round
                     # it was started for.
                     deadline, deadline_round = None, state.round
-                decision = decide_coordinator(
-                    state, nodes, self._limits, now, deadline, now_unix_ms=self._wall_ms()
-                )
+                with self._nodes_lock:
+                    # Decided under the table's lock from its running counts: O(1) per
+                    # join; the table is scanned only to build a commit (pure, no RPC).
+                    decision = decide_coordinator(
+                        state,
+                        self._nodes.nodes,
+                        self._limits,
+                        now,
+                        deadline,
+                        now_unix_ms=self._wall_ms(),
+                        tally=self._nodes.tally(state),
+                    )
                 deadline = decision.last_call_deadline
                 if decision.actions:
                     result = executor.commit((state, mod_revision), decision.actions, fence=fence)

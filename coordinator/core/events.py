@@ -355,19 +355,17 @@ class EventRecorder:
 
     def __init__(self, written_by: str) -> None:
         self._written_by = written_by
-        self._alive: set[str] = set()
         self._generations: dict[str, int] = {}
         self.pending: list[Event] = []
 
-    def observe(self, state: RdzvState, nodes: Mapping[str, NodeInfo]) -> None:
-        """Note the nodes whose key appeared since the last call (``joined``).
-
-        Set differences, so the coordinator's loop pays microseconds at 1000 nodes."""
-        ids = nodes.keys()
-        self._alive -= self._alive - ids
-        for node_id in ids - self._alive:
-            info = nodes[node_id]
-            self._alive.add(node_id)
+    def appeared(self, state: RdzvState, nodes: Mapping[str, NodeInfo]) -> None:
+        """Note node keys that appeared (``joined``), as the node table reports them
+        (:meth:`~coordinator.core.node_table.NodeTable.take_appeared`): O(new keys), so
+        a formation of N nodes records its joins in O(N). A key already noted (the
+        table re-read after a resync) is not noted twice."""
+        for node_id, info in nodes.items():
+            if self._generations.get(node_id) == info.create_revision:
+                continue
             self._generations[node_id] = info.create_revision
             self.pending.append(
                 Event(

@@ -5,17 +5,23 @@ them all (see ``Watch.wait_created`` for why not the other way round). Events ca
 arrive before the read is applied, and events the read already reflects can arrive
 after it. The table holds events until it has a read, and from then on applies only
 events newer than the read, so each change counts once and in revision order.
+
+The table also keeps the counts the coordinator decides from (:meth:`NodeTable.tally`,
+a :class:`~coordinator.core.tally.TallyIndex`) current with each change, so deciding
+after a join costs O(1), not a scan of every node.
 Not thread-safe: the caller locks.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 
 from coordinator.core.errors import CorruptValueError
 from coordinator.core.etcd_client import KeyValue, WatchEvent
-from coordinator.core.state import NodeInfo, decode_node
+from coordinator.core.state import NodeInfo, RdzvState, decode_node
+from coordinator.core.tally import Tally, TallyIndex
 
 __all__ = ["NodeTable"]
 
@@ -30,6 +36,9 @@ class NodeTable:
         self._node_id_by_key: dict[bytes, str] = {}
         self._read_at: int | None = None  # None: no read yet; events are held
         self._held: list[WatchEvent] = []
+        self._index = TallyIndex()
+        self._view = MappingProxyType(self._nodes)
+        self._appeared: dict[str, NodeInfo] = {}  # new keys since take_appeared()
 
     @property
     def read_at(self) -> int | None:
@@ -40,13 +49,16 @@ class NodeTable:
         """Forget everything; hold events until the next :meth:`load`."""
         self._nodes.clear()
         self._node_id_by_key.clear()
+        self._index.forget()
         self._read_at = None
         self._held = []
+        self._appeared.clear()
 
     def load(self, kvs: Iterable[KeyValue], revision: int) -> None:
         """Apply a full read made at ``revision``, then the held events newer than it."""
         self._nodes.clear()
         self._node_id_by_key.clear()
+        self._index.forget()
         for kv in kvs:
             self._put(kv.key, kv.value, kv.create_revision)
         self._read_at = revision
@@ -66,12 +78,35 @@ class NodeTable:
             else:
                 node_id = self._node_id_by_key.pop(event.kv.key, None)
                 if node_id is not None:
-                    self._nodes.pop(node_id, None)
+                    self._remove(node_id)
         return True
 
     def snapshot(self) -> dict[str, NodeInfo]:
-        """A copy of the table."""
+        """A copy of the table: O(N), for tests and operators, not for each decision."""
         return dict(self._nodes)
+
+    @property
+    def nodes(self) -> Mapping[str, NodeInfo]:
+        """The table itself, read-only and live (valid while the caller holds its lock)."""
+        return self._view
+
+    def take_appeared(self) -> dict[str, NodeInfo]:
+        """The node keys created since the last call (by node id; a key re-created
+        under the same id is there again with its new create revision): O(changes), for
+        the run's timeline (joins)."""
+        appeared, self._appeared = self._appeared, {}
+        return appeared
+
+    def tally(self, state: RdzvState) -> Tally:
+        """The decision's counts of this table against ``state``: O(1) when ``state`` is
+        the one asked about last time, else one O(N) count."""
+        return self._index.tally(state, self._nodes)
+
+    def _remove(self, node_id: str) -> None:
+        old = self._nodes.pop(node_id, None)
+        if old is not None:
+            self._index.changed(node_id, old, None)
+        self._appeared.pop(node_id, None)
 
     def _put(self, key: bytes, value: bytes, create_revision: int) -> None:
         try:
@@ -79,8 +114,12 @@ class NodeTable:
         except CorruptValueError as exc:
             log.warning("ignoring node key: %s", exc)
             return
-        old = self._node_id_by_key.get(key)
-        if old is not None and old != node.node_id:
-            self._nodes.pop(old, None)
+        old_id = self._node_id_by_key.get(key)
+        if old_id is not None and old_id != node.node_id:
+            self._remove(old_id)
+        old = self._nodes.get(node.node_id)
         self._nodes[node.node_id] = node
         self._node_id_by_key[key] = node.node_id
+        self._index.changed(node.node_id, old, node)
+        if old is None or old.create_revision != node.create_revision:
+            self._appeared[node.node_id] = node

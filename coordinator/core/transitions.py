@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 
 from coordinator.core.quarantine import ended, new_entries, release_in
 from coordinator.core.state import CloseMode, Hang, NodeInfo, Quarantine, RdzvState
+from coordinator.core.tally import Tally, tally_of
 
 __all__ = [
     "Action",
@@ -209,11 +210,22 @@ class CoordinatorDecision:
 def _order_joiners(state: RdzvState, joiners: Iterable[NodeInfo]) -> list[NodeInfo]:
     # Survivors first, in their old rank order (rank 0 stays put while alive), then
     # newcomers by arrival (create revision of their key), then node id for determinism.
+    ranks: dict[str, int] = {}
+    for rank, node_id in enumerate(state.participants):
+        ranks.setdefault(node_id, rank)  # rank_of's answer: the first place
+
     def key(n: NodeInfo) -> tuple[float, int, str]:
-        rank = state.rank_of(n.node_id)
+        rank = ranks.get(n.node_id)
         return (math.inf if rank is None else rank, n.create_revision, n.node_id)
 
     return sorted(joiners, key=key)
+
+
+def _eligible(state: RdzvState, nodes: Mapping[str, NodeInfo]) -> dict[str, NodeInfo]:
+    # A draining node is leaving, a quarantined one is kept out: neither is a joiner nor
+    # alive for the rounds to come (tally.Basis counts the same nodes).
+    out = set(state.draining).union(q.node_id for q in state.quarantined)
+    return {k: n for k, n in nodes.items() if n.incarnation == state.incarnation and k not in out}
 
 
 def decide_coordinator(
@@ -222,9 +234,16 @@ def decide_coordinator(
     limits: Limits,
     now: float,
     last_call_deadline: float | None,
+    tally: Tally | None = None,
+    *,
     now_unix_ms: int | None = None,
 ) -> CoordinatorDecision:
     """Decide what the coordinator commits, given every live node key it sees.
+
+    The decision is taken from the counts in ``tally``; ``nodes`` is scanned only to
+    build the actions of a commit those counts call for. So with a ``tally`` kept up to
+    date as keys change (:class:`~coordinator.core.tally.TallyIndex`), deciding after a
+    join that commits nothing costs O(1), and a formation of N nodes O(N) in all.
 
     Args:
         state: the current state (as read with its revision).
@@ -234,44 +253,41 @@ def decide_coordinator(
         last_call_deadline: from the previous decision (None at first).
         now_unix_ms: the coordinator's wall clock, the one clock quarantines end by
             (None: no quarantine ends in this decision).
+        tally: ``tally_of(state, nodes)``, kept by the caller (None: counted here, O(N)).
     """
     if state.quarantined and not state.closed and now_unix_ms is not None:
-        # Quarantines that ended go first, in the same commit as whatever follows.
+        # Quarantines that ended go first, in the same commit as whatever follows (rare:
+        # the counts are taken again against the state without them).
         done = ended(state, nodes, now_unix_ms)
         release = (Action(ActionKind.REMOVE_FROM_QUARANTINE, done),) if done else ()
-        after = apply(state, release)
-        decision = decide_coordinator(after, nodes, limits, now, last_call_deadline)
+        after = apply(state, release) if release else state
+        decision = decide_coordinator(
+            after, nodes, limits, now, last_call_deadline, tally=None if release else tally
+        )
         wake_at = min(decision.wake_at, now + release_in(after, now_unix_ms))
         return CoordinatorDecision(release + decision.actions, decision.last_call_deadline, wake_at)
+    if tally is None:
+        tally = tally_of(state, nodes)
     if state.closed:
         # Started again only when no node of the ended incarnation (or any other) is left.
-        restart = bool(nodes) and all(
-            n.incarnation == state.incarnation + 1 for n in nodes.values()
-        )
+        restart = tally.total > 0 and tally.next_incarnation == tally.total
         start = (Action(ActionKind.START_INCARNATION),) if restart else ()
         return CoordinatorDecision(start, None, math.inf)
-    # A draining node is leaving, a quarantined one is kept out: neither is a joiner nor
-    # alive for the rounds to come.
-    all_nodes = nodes
-    out = set(state.draining).union(q.node_id for q in state.quarantined)
-    nodes = {k: n for k, n in nodes.items() if n.incarnation == state.incarnation and k not in out}
-    target = state.round + 1
-    joiners = _order_joiners(state, (n for n in nodes.values() if n.wanted_round == target))
-    joiner_ids = {n.node_id for n in joiners}
-    live_prev = [p for p in state.participants if p in nodes]
-
-    reopened = state.round == 0 or not live_prev or any(p in joiner_ids for p in live_prev)
+    # A round is open: the first, or no participant of the last round is alive, or one of
+    # them asked for the next round (it re-rendezvoused).
+    reopened = state.round == 0 or tally.live_prev == 0 or tally.prev_joined > 0
     deadline: float | None = None
-    if reopened and len(joiners) >= limits.min_nodes:
-        everyone_back = state.round > 0 and bool(live_prev) and joiner_ids.issuperset(live_prev)
+    if reopened and tally.joiners >= limits.min_nodes:
+        everyone_back = state.round > 0 and 0 < tally.live_prev == tally.prev_joined
         deadline = last_call_deadline
         if deadline is None:
             deadline = now + limits.last_call_timeout
         # max_nodes joiners complete at once, except while a live participant of the last
         # round has not re-joined yet: spares must not take the places of live nodes that
         # are only slower to come back (they are waited for until last call ends).
-        full = len(joiners) >= limits.max_nodes and (state.round == 0 or not live_prev)
+        full = tally.joiners >= limits.max_nodes and (state.round == 0 or tally.live_prev == 0)
         if full or everyone_back or now >= deadline:
+            joiners = _joiners(state, _eligible(state, nodes))
             chosen = joiners[: limits.max_nodes]
             rank0 = chosen[0]
             complete = Action(
@@ -283,9 +299,26 @@ def decide_coordinator(
             )
             return CoordinatorDecision((complete,), None, math.inf)
 
-    actions = _bookkeeping(state, nodes, limits, joiners, all_nodes)
+    actions: list[Action] = []
+    if _lists_behind(state, tally):
+        eligible = _eligible(state, nodes)
+        actions = _bookkeeping(state, eligible, limits, _joiners(state, eligible), nodes)
     wake_at = deadline if deadline is not None else math.inf
     return CoordinatorDecision(tuple(actions), deadline, wake_at)
+
+
+def _joiners(state: RdzvState, eligible: Mapping[str, NodeInfo]) -> list[NodeInfo]:
+    target = state.round + 1
+    return _order_joiners(state, (n for n in eligible.values() if n.wanted_round == target))
+
+
+def _lists_behind(state: RdzvState, tally: Tally) -> bool:
+    """Whether :func:`_bookkeeping` has anything to record (decided from the counts)."""
+    if state.round == 0 or not state.participants:
+        return tally.left_draining > 0
+    return bool(
+        tally.newly_lost or tally.gone_listed or tally.left_draining or tally.unlisted_joiners
+    )
 
 
 def _bookkeeping(
@@ -303,7 +336,8 @@ def _bookkeeping(
         # everyone is simply joining the next round.
         return [Action(ActionKind.REMOVE_FROM_DRAINING, left_draining)] if left_draining else []
     actions: list[Action] = []
-    newly_lost = tuple(p for p in state.participants if p not in nodes and p not in state.lost)
+    lost = set(state.lost)
+    newly_lost = tuple(p for p in state.participants if p not in nodes and p not in lost)
     if newly_lost:
         actions.append(Action(ActionKind.REMOVE_FROM_PARTICIPANTS, newly_lost))
     gone_waiting = tuple(n for n in state.wait_list if n not in nodes)
@@ -317,10 +351,11 @@ def _bookkeeping(
 
     listed = set(state.wait_list) | set(state.redundancy_list)
     unlisted = [n.node_id for n in joiners if n.node_id not in listed]
-    alive_participants = len(state.participants) - len(set(state.lost) | set(newly_lost))
+    alive_participants = len(state.participants) - len(lost | set(newly_lost))
     full = alive_participants >= limits.max_nodes
-    wait = tuple(n for n in unlisted if not full or state.rank_of(n) is not None)
-    redundant = tuple(n for n in unlisted if n not in wait)
+    participants = set(state.participants)
+    wait = tuple(n for n in unlisted if not full or n in participants)
+    redundant = tuple(n for n in unlisted if full and n not in participants)
     if wait:
         actions.append(Action(ActionKind.ADD_TO_WAIT_LIST, wait))
     if redundant:

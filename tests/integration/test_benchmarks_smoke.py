@@ -57,6 +57,16 @@ def test_scenario_runs_at_smallest_size(scenario: str, systems: str) -> None:
         assert entry["n"] == 1
         assert entry["min"] <= entry["median"] <= entry["max"]
         assert "ratio_vs_torch_c10d" in entry
+    if scenario == "formation":
+        # Ours reports where the time went: keys written, then the commit, then the returns.
+        (path,) = entries["etcd-v3"]["critical_path"]
+        # Only what causality guarantees: the coordinator may hear the last join (watch)
+        # before that node hears its put answered, and a node may hear of the commit
+        # before the committer hears etcd's answer; a node returns after its own put.
+        assert 0 < path["cp_commit_sent_s"] <= path["cp_commit_s"]
+        assert path["cp_commit_sent_s"] <= path["cp_first_return_s"] <= path["cp_last_return_s"]
+        assert 0 < path["cp_last_key_s"] <= path["cp_last_return_s"]
+        assert path["commits"] == 1 and path["coordinator_cpu_s"] >= 0
 
 
 def test_etcd_ceiling_runs() -> None:

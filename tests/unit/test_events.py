@@ -169,14 +169,13 @@ def _node(node_id: str, created: int) -> NodeInfo:
 def test_the_recorder_notes_each_key_once_and_a_new_key_as_a_new_join() -> None:
     recorder = EventRecorder("lead-1-0")
     state = RdzvState()
-    recorder.observe(state, {"a": _node("a", 5), "b": _node("b", 6)})
-    recorder.observe(state, {"a": _node("a", 5), "b": _node("b", 6)})
+    recorder.appeared(state, {"a": _node("a", 5), "b": _node("b", 6)})
+    recorder.appeared(state, {"a": _node("a", 5), "b": _node("b", 6)})  # a re-read
     joined = recorder.take()
     assert sorted((e.node_id, e.revision, e.written_by) for e in joined) == [
         ("a", 5, "lead-1-0"), ("b", 6, "lead-1-0"),
     ]  # fmt: skip
-    recorder.observe(state, {"a": _node("a", 5)})  # b's key went...
-    recorder.observe(state, {"a": _node("a", 5), "b": _node("b", 20)})  # ...and came back
+    recorder.appeared(state, {"b": _node("b", 20)})  # b's key went and came back
     assert [(e.node_id, e.revision) for e in recorder.take()] == [("b", 20)]
     running = RdzvState(round=1, participants=("a", "b"))
     after, actions = _commit(running, Action(ActionKind.REMOVE_FROM_PARTICIPANTS, ("b",)))

@@ -64,3 +64,17 @@ def test_a_corrupt_value_is_skipped_and_the_rest_kept() -> None:
     bad = KeyValue(PREFIX + b"bad", b"\x80not json", 2, 2, 1, 0)
     table.load([bad, _kv("a", 3)], 3)
     assert list(table.snapshot()) == ["a"]
+
+
+def test_appeared_keys_are_reported_once_each_for_the_timeline() -> None:
+    table = NodeTable()
+    table.load([_kv("a", 3), _kv("b", 4)], 4)
+    assert {n: i.create_revision for n, i in table.take_appeared().items()} == {"a": 3, "b": 4}
+    assert table.take_appeared() == {}
+    # A rewrite of a's key (a new wanted round) is not a join; c's new key is, and d's key
+    # that came and went before anyone asked is none.
+    table.apply([_put("a", 5, created=3, round_=2), _put("c", 6), _put("d", 7), _delete("d", 8)])
+    assert list(table.take_appeared()) == ["c"]
+    # b's key gone and created again (a re-join with a new lease): a join again.
+    table.apply([_delete("b", 9), _put("b", 10)])
+    assert {n: i.create_revision for n, i in table.take_appeared().items()} == {"b": 10}
