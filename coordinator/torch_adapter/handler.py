@@ -517,6 +517,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             clock=self._clock,
         )  # fmt: skip
 
+    @property
     def quarantined_nodes(self) -> frozenset[str]:
         """The nodes quarantined now (``etcdrun --health-check``), from the watched view."""
         parts = self._current()
