@@ -42,6 +42,7 @@ __all__ = [
     "check_target",
     "median_breakdown",
     "parse_worker_lines",
+    "progress",
     "recovered_attempt",
 ]
 
@@ -118,6 +119,25 @@ def parse_worker_lines(text: str) -> WorkerRecord | None:
         restart=int(first["restart"]),
         round=int(first["round"]),
         times=times,
+    )
+
+
+def progress(workers: Iterable[WorkerRecord], after: float) -> str:
+    """Where the workers started after ``after`` got to, for a run that did not recover.
+
+    E.g. ``"4 workers started after the failure (first at +48.20 s); the furthest
+    reached 'imported'"``, or ``"no worker started after the failure"``.
+    """
+    late = [w for w in workers if w.times["start"] > after]
+    if not late:
+        return "no worker started after the failure"
+    first = min(w.times["start"] for w in late) - after
+    reached = max(
+        (WORKER_EVENTS.index(ev) for w in late for ev in w.times if ev in WORKER_EVENTS),
+    )
+    return (
+        f"{len(late)} workers started after the failure (first at +{first:.2f} s); "
+        f"the furthest reached {WORKER_EVENTS[reached]!r}"
     )
 
 

@@ -20,7 +20,12 @@ import time
 from pathlib import Path
 
 from benchmarks.procs import REPO_ROOT, RunError, cpu_seconds
-from benchmarks.recovery_breakdown import WorkerRecord, parse_worker_lines, recovered_attempt
+from benchmarks.recovery_breakdown import (
+    WorkerRecord,
+    parse_worker_lines,
+    progress,
+    recovered_attempt,
+)
 
 __all__ = ["Job", "JobSpec", "descendants"]
 
@@ -182,7 +187,8 @@ class Job:
                 return group
             self._check_alive(what)
             if time.monotonic() > deadline:
-                raise RunError(f"{what}: no first step of {world} workers by the deadline")
+                late = progress(self.workers(), after)
+                raise RunError(f"{what}: no first step of {world} workers by the deadline; {late}")
             time.sleep(_POLL_S)
 
     def settle(self, deadline: float, idle_interpreters: int = 0) -> bool:

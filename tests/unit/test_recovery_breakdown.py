@@ -152,3 +152,42 @@ def test_check_target(
 def test_check_target_names_an_unknown_case() -> None:
     with pytest.raises(ValueError, match="unknown recovery case 'd': choose from a, b, c"):
         check_target("d", 1.0, 1.0, 5)
+
+
+def test_markdown_has_a_row_per_system_and_the_verdict_per_case() -> None:
+    from benchmarks.recovery_report import markdown
+
+    def entry(name: str, median: float | None, parts: dict[str, float]) -> dict[str, Any]:
+        return {
+            "name": name, "median": median, "min": median, "max": median, "breakdown": parts,
+            "restarts": [1] if median else [], "ratio_vs_torch_c10d": 4.0 if median else None,
+            "errors": [] if median else ["run 1: did not recover within 90 s (no step)\nlog"],
+        }  # fmt: skip
+
+    ours = entry("ours (etcdrun)", 0.5, {name: 0.05 for name in AGENT_COMPONENTS})
+    torch = entry("torchrun c10d", None, {})
+    result = {
+        "cases": {
+            "a": {
+                "title": "worker crash, 1 node x 2 workers",
+                "systems": {"etcd-v3": ours, "c10d": torch},
+                "target": check_target("a", 0.5, None, 5),
+            }
+        }
+    }
+    text = markdown(result)
+    assert "| (a) | ours (etcdrun) | 0.500 (0.500-0.500) | 0.050 |" in text
+    assert "| (a) | torchrun c10d | run 1: did not recover within 90 s (no step) |" in text
+    assert "- (a) worker crash, 1 node x 2 workers: target <= 0.4 s and >= 3x faster" in text
+    assert "ours 0.500 s; 4.0x faster than torchrun: MISSED: 0.100 s over 0.4 s" in text
+
+
+def test_progress_says_how_far_the_late_workers_got() -> None:
+    from benchmarks.recovery_breakdown import progress
+
+    old = _worker(1, 0, 1.0)
+    stuck = WorkerRecord(5, 1, 4, 1, -1, {"start": 58.2, "imported": 60.0})
+    assert progress([old, stuck, WorkerRecord(6, 0, 4, 0, -1, {"start": 59.0})], 10.0) == (
+        "2 workers started after the failure (first at +48.20 s); the furthest reached 'imported'"
+    )
+    assert progress([old], 10.0) == "no worker started after the failure"
