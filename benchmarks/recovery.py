@@ -43,6 +43,7 @@ from benchmarks.recovery_report import markdown
 from benchmarks.runner import environment
 from benchmarks.stats import ratio, summarize
 from benchmarks.systems import System, make_system
+from coordinator.etcd_server import free_port
 
 __all__ = ["CASES", "Case", "recovery"]
 
@@ -84,9 +85,12 @@ def _one_run(
 ) -> tuple[Breakdown, bool]:
     """One fresh job: the breakdown, and whether the job was quiet before the failure."""
     out = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
+    # torchrun's agents host their store but for node loss (see JobSpec.argv).
+    external = system.name == "etcd-v3" or case.node_loss
     spec = JobSpec(
         system=system.name,
-        endpoint=system.endpoint(),
+        endpoint=system.endpoint() if external else f"127.0.0.1:{free_port()}",
+        external_store=external,
         run_id=f"bench-rec-{uuid.uuid4().hex[:8]}",
         nnodes=case.nnodes,
         nproc=case.nproc,
@@ -230,8 +234,12 @@ def recovery(args: argparse.Namespace) -> dict[str, Any]:
         "stopped its old workers, from the agents' run history; rendezvous: every "
         "agent's round formed; then the workers' own stamps), so the components add up "
         "to the total; torchrun keeps no history, so its first three are one. "
-        "torchrun: --rdzv-backend=c10d, its TCPStore hosted by the harness "
-        "(is_host=false) so that losing any node leaves it a store. Both: "
+        "torchrun: --rdzv-backend=c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (with "
+        "torch's default the workers reuse the agent's store, and a restart's gloo init "
+        "reads the dead attempt's addresses and fails until the restarts run out); its "
+        "TCPStore hosted by its first agent, as torchrun does, except for node loss, "
+        "where the harness hosts it (is_host=false) so that losing the store's host "
+        "leaves torchrun a rendezvous. Both: "
         "--max-restarts=3, every other setting at its default. Runs interleaved "
         f"(ours, torchrun, ours, ...), each bounded by {timeout:g} s after the failure."
     )

@@ -30,6 +30,7 @@ from benchmarks.recovery_breakdown import (
 __all__ = ["Job", "JobSpec", "descendants"]
 
 WORKER_SCRIPT = Path(__file__).resolve().parent / "recovery_worker.py"
+TORCH_FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _POLL_S = 0.02
 _GRACE_S = 10.0
 # The job counts as quiet when its processes use less than this share of one core over
@@ -54,8 +55,10 @@ class JobSpec:
         nproc: int,
         min_nodes: int,
         lease_ttl: int,
+        external_store: bool = False,
     ) -> None:
         self.system = system
+        self.external_store = external_store
         self.endpoint = endpoint
         self.run_id = run_id
         self.nnodes = nnodes
@@ -80,11 +83,13 @@ class JobSpec:
             launcher = "import sys; from agent.cli import main; sys.exit(main())"
             conf = f"--rdzv-conf=lease_ttl={self.lease_ttl}"
             return [sys.executable, "-c", launcher, "--rdzv-backend=etcd-v3", conf, *common, *tail]
-        # The TCPStore is hosted by the harness (as by a store host all nodes reach), so
-        # that losing any node, the first one included, leaves torchrun a rendezvous.
+        # torchrun's own deployment: the agent on the endpoint's host hosts the TCPStore.
+        # With ``external_store`` the harness hosts it (``is_host=false``), so that losing
+        # any node, the store's host included, leaves torchrun a rendezvous.
+        store = ["--rdzv-conf=is_host=false"] if self.external_store else []
         return [
             sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=c10d",
-            "--rdzv-conf=is_host=false", *common, *tail,
+            *store, *common, *tail,
         ]  # fmt: skip
 
 
@@ -144,6 +149,12 @@ class Job:
         )
         if spec.system == "etcd-v3":
             child_env["ETCD_ELASTIC_HISTORY"] = str(self.history)
+        else:
+            # With torch 2.13's default (the workers reuse the agent's TCPStore across
+            # attempts) a restart's gloo init reads the dead attempt's addresses and fails
+            # ("connectFullMesh ... Connection refused"), attempt after attempt, until the
+            # restarts run out; torch's own opt-out gives each attempt a fresh store.
+            child_env[TORCH_FRESH_STORE_ENV] = "1"
         argv = spec.argv(out, checkpoint)
         for index in range(spec.nnodes):
             with open(out / f"agent-{index}.log", "wb") as log:
