@@ -1,7 +1,8 @@
 """``python -m benchmarks SCENARIO [options] --json``: measure ours against torch's own.
 
 Scenarios: formation, scale-up, node-loss, worker-failure, idle, etcd-ceiling, and
-``all`` (every scenario, then docs/performance.md, its JSON and its PNG plot).
+``all`` (every scenario, then docs/performance.md, its JSON and its PNG plot); and
+``recovery`` (a real torch worker: failure to first step, not part of ``all``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,22 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _cases(text: str) -> list[str]:
+    from benchmarks.recovery import parse_cases
+
+    return parse_cases(text)
+
+
+def _seconds_or_size(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be more than 0")
+    return value
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """Parse the command line (see ``--help``)."""
     parser = argparse.ArgumentParser(
@@ -57,7 +74,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument("scenario", choices=[*SCENARIOS, "all"])
     parser.add_argument("--nodes", type=_positive, help="nodes (default: per scenario)")
-    parser.add_argument("--repeat", type=_positive, default=3, help="runs per point (3)")
+    parser.add_argument("--repeat", "--runs", type=_positive, default=3, help="runs per point (3)")
     parser.add_argument("--systems", type=_systems, default=list(ALL_SYSTEMS), help="subset to run")
     parser.add_argument(
         "--processes", type=_positive, default=4, help="node processes for thread nodes (4)"
@@ -85,6 +102,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--sizes", default=None, help="formation sizes for `all` (2,8,32,128,512,1000)"
     )
+    parser.add_argument(
+        "--cases", type=_cases, default=None, help="recovery: subset of a,b,c (all)"
+    )
+    parser.add_argument(
+        "--checkpoint-mb",
+        type=_seconds_or_size,
+        default=None,
+        help="recovery: checkpoint size each worker loads, MB (100)",
+    )
     parser.add_argument("--json", action="store_true", help="print the JSON result only")
     parser.add_argument("--smoke", action="store_true", help="smallest sizes, short windows")
     return parser.parse_args(argv)
@@ -111,7 +137,11 @@ def _print_human(result: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     result = run_all(args) if args.scenario == "all" else run_scenario(args.scenario, args)
-    if args.json or args.scenario == "all":
+    if args.scenario == "recovery" and not args.json:
+        from benchmarks.recovery import print_human
+
+        print_human(result)
+    elif args.json or args.scenario == "all":
         json.dump(result, sys.stdout, indent=2, sort_keys=False)
         sys.stdout.write("\n")
     else:

@@ -197,6 +197,12 @@ def worker_failure(args: argparse.Namespace) -> Result:
     return run(args)
 
 
+def recovery(args: argparse.Namespace) -> Result:
+    from benchmarks.recovery import recovery as run
+
+    return run(args)
+
+
 def etcd_ceiling(args: argparse.Namespace) -> Result:
     from benchmarks.ceiling import etcd_ceiling as run
 
@@ -210,6 +216,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "worker-failure": worker_failure,
     "idle": idle,
     "etcd-ceiling": etcd_ceiling,
+    "recovery": recovery,
 }
 
 
