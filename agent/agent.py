@@ -46,6 +46,8 @@ from agent.ending import (
     collect_failures,
     give_up_report,
     leave,
+    quarantine_recorded,
+    record_faults,
     record_restart,
     release_exit_barrier,
 )
@@ -134,7 +136,7 @@ class Agent:
                 env=self._base_env,
                 node_id=str(getattr(handler, "node_id", "?")),
                 addr=config.local_addr,
-                quarantine=getattr(handler, "quarantine", None),
+                quarantine=quarantine_recorded(handler),
             )
             if config.health_check
             else None
@@ -147,6 +149,9 @@ class Agent:
             config.hang_timeout, config.nproc_per_node, handler,
             lambda: running_ranks(self._group), self.wake,
             on_step=self._metrics.progress_step,
+            on_hang=lambda hang: record_faults(
+                handler, hang.nodes, "hung", hang.round, hang_line(hang)
+            ),
         )  # fmt: skip
         self._base_env.update(self._hang.env)
         self._history = RoundRecorder(handler, self._base_env)
@@ -405,6 +410,7 @@ class Agent:
         ``HangWatch``'s ``on_hang``)."""
         self._budget.charge(self._group_world_size)
         self._metrics.restarts_left(self._budget.left)
+        record_restart(self._handler, self.restart_count, None, why=hang_line(hang))
         log.warning(
             "%s: %s; restarting the workers, %d of %d restarts left",
             self._ctx(), hang_line(hang), self._budget.left, self._config.max_restarts,

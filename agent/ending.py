@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler
@@ -16,7 +16,8 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler
 from agent.errorfile import Failure, format_report, read_failure, root_cause
 from agent.ranks import Store
 from agent.workers import WorkerGroup
-from coordinator.core.events import Event
+from coordinator.core.events import Cause, Event
+from coordinator.core.state import Quarantine
 
 __all__ = [
     "EXIT_BARRIER",
@@ -143,14 +144,16 @@ def leave(handler: RendezvousHandler, ctx: str) -> None:
         log.exception("%s: could not leave the rendezvous", ctx)
 
 
-def record_restart(handler: RendezvousHandler, restart_count: int, cause: Failure | None) -> None:
-    """Append a counted restart, with its root cause, to the run's timeline (``rdzvctl
-    events``), when the handler keeps one (ours). Never blocks or raises: the write
-    happens in the background."""
+def record_restart(
+    handler: RendezvousHandler, restart_count: int, cause: Failure | None, why: str = ""
+) -> None:
+    """Append a counted restart, with its root cause (a worker's failure, else ``why``),
+    to the run's timeline (``rdzvctl events``), when the handler keeps one (ours). Never
+    blocks or raises: the write happens in the background."""
     record: Callable[[Event], None] | None = getattr(handler, "record_event", None)
     if record is None:
         return
-    summary = "" if cause is None else f"rank {cause.global_rank}: {cause.message}"
+    summary = why if cause is None else f"rank {cause.global_rank}: {cause.message}"
     node = str(getattr(handler, "node_id", ""))
     record(
         Event(
@@ -162,6 +165,54 @@ def record_restart(handler: RendezvousHandler, restart_count: int, cause: Failur
             incarnation=int(getattr(handler, "incarnation", 0)),
         )
     )
+
+
+def record_faults(
+    handler: RendezvousHandler, node_ids: Sequence[str], cause: Cause, round: int, summary: str
+) -> None:
+    """Mark ``node_ids`` on the run's timeline with a fault (``hung``: named by a hang
+    declared in ``round``; ``quarantined``: left out by the pre-flight check), when the
+    handler keeps one (ours). Each node stays in the run (its key lives on), so this is a
+    ``fault`` event, not a departure. Never blocks or raises."""
+    record: Callable[[Event], None] | None = getattr(handler, "record_event", None)
+    if record is None:
+        return
+    incarnation = int(getattr(handler, "incarnation", 0))
+    for node_id in node_ids:
+        record(
+            Event(
+                "fault", node_id=node_id, cause=cause, round=round, summary=summary,
+                incarnation=incarnation,
+            )
+        )  # fmt: skip
+
+
+def quarantine_recorded(
+    handler: RendezvousHandler,
+) -> Callable[[Sequence[Quarantine]], bool] | None:
+    """The handler's ``quarantine`` (ours; None for others), which also marks each node
+    on the run's timeline when this node's write is the one that landed (every node of
+    the round reaches the same verdict; one of them writes it)."""
+    write: Callable[[Sequence[Quarantine]], bool] | None = getattr(handler, "quarantine", None)
+    if write is None:
+        return None
+
+    def quarantine(entries: Sequence[Quarantine]) -> bool:
+        written = write(entries)
+        if written:
+            round = int(getattr(handler, "last_round", 0))
+            for entry in entries:
+                record_faults(handler, (entry.node_id,), "quarantined", round, entry.reason)
+        return written
+
+    return quarantine
+
+
+def record_health(handler: RendezvousHandler, node_id: str, round: int, line: str) -> None:
+    """This node's result in a round's pre-flight check, on the run's timeline."""
+    record: Callable[[Event], None] | None = getattr(handler, "record_event", None)
+    if record is not None:
+        record(Event("health_checked", node_id=node_id, round=round, summary=line))
 
 
 def collect_failures(group: WorkerGroup | None) -> dict[int, Failure]:

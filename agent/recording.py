@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 
+from agent.ending import record_health
 from agent.history import HISTORY_ENV, NODE_ENV, ROUND_ENV, HistoryWriter
 from agent.preflight import Preflight
 
@@ -64,10 +65,15 @@ class RoundRecorder:
         if verdict is None or verdict is self._verdict:
             return
         self._verdict = verdict
+        round_id = int(getattr(self._handler, "last_round", -1))
+        node_id = str(getattr(self._handler, "node_id", ""))
+        for result in verdict.nodes:
+            if result.node_id == node_id:
+                record_health(self._handler, node_id, round_id, result.line())
         self._writer.record(
             "health_check",
             node=self.node,
-            round=int(getattr(self._handler, "last_round", -1)),
+            round=round_id,
             took_s=round(preflight.last_took_s, 3) if preflight else 0.0,
             nodes=verdict.events(),
         )

@@ -10,7 +10,9 @@ What is recorded, and by whom (docs/timeline.md):
 * ``round_completed`` with the members and their ranks (the coordinator that committed it);
 * ``restarted`` with the root cause (the agent making a counted restart);
 * ``closed`` with the mode and reason (whoever closed the run: an agent, ``rdzvctl close``);
-* ``drain_requested`` (``rdzvctl drain``) and ``fault`` (something noticed, no departure).
+* ``drain_requested`` (``rdzvctl drain``) and ``fault`` (something noticed, no departure:
+  ``hung``, ``quarantined``);
+* ``health_checked``: one node's result in a round's pre-flight check (that node).
 
 Each event has an id that names the fact, not the writer (:func:`event_id`): two writers
 recording the same fact (a departing node and the coordinator that sees its key go; two
@@ -66,6 +68,7 @@ EventKind = Literal[
     "closed",
     "drain_requested",
     "fault",
+    "health_checked",
 ]
 """What happened (see the module docstring and ``EventKind`` in the .proto)."""
 
@@ -80,6 +83,7 @@ _KINDS: dict[str, int] = {
     "closed": pb.EVENT_KIND_CLOSED,
     "drain_requested": pb.EVENT_KIND_DRAIN_REQUESTED,
     "fault": pb.EVENT_KIND_FAULT,
+    "health_checked": pb.EVENT_KIND_HEALTH_CHECKED,
 }
 _KIND_NAMES = {v: k for k, v in _KINDS.items()}
 _CAUSES: dict[str, int] = {
@@ -162,7 +166,8 @@ def event_id(event: Event) -> str:
 
     ``joined/<node>/<n>`` and ``departed/<node>/<n>`` (n: the create revision of the node's
     key, which a re-join changes), ``round_completed/<round>``,
-    ``restarted/<node>/<restart count>``, ``closed/<incarnation>``, and for the rest
+    ``restarted/<node>/<restart count>``, ``closed/<incarnation>``,
+    ``health_checked/<node>/<round>``, and for the rest
     ``<kind>/<node or run>/<unix ms>``.
     """
     kind = event.kind
@@ -175,6 +180,8 @@ def event_id(event: Event) -> str:
         return f"{kind}/{node}/{event.restart_count}"
     if kind == "closed":
         return f"{kind}/{event.incarnation}"
+    if kind == "health_checked":
+        return f"{kind}/{node}/{event.round}"
     return f"{kind}/{node}/{event.unix_ms}"
 
 

@@ -25,6 +25,7 @@ class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_KIND_CLOSED: _ClassVar[EventKind]
     EVENT_KIND_DRAIN_REQUESTED: _ClassVar[EventKind]
     EVENT_KIND_FAULT: _ClassVar[EventKind]
+    EVENT_KIND_HEALTH_CHECKED: _ClassVar[EventKind]
 
 class DepartureCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -46,6 +47,7 @@ EVENT_KIND_RESTARTED: EventKind
 EVENT_KIND_CLOSED: EventKind
 EVENT_KIND_DRAIN_REQUESTED: EventKind
 EVENT_KIND_FAULT: EventKind
+EVENT_KIND_HEALTH_CHECKED: EventKind
 DEPARTURE_CAUSE_UNSPECIFIED: DepartureCause
 DEPARTURE_CAUSE_LEASE_EXPIRED: DepartureCause
 DEPARTURE_CAUSE_LEFT: DepartureCause

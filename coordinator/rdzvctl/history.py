@@ -61,6 +61,8 @@ def _what(event: Event) -> str:
         return f"run closed ({event.close_mode}){why}"
     if kind == "drain_requested":
         return f"{event.node_id} asked to leave (drain) by {event.written_by or '?'}"
+    if kind == "health_checked":
+        return f"{event.node_id} pre-flight check of round {event.round}: {event.summary}"
     cause = f" {event.cause}" if event.cause else ""
     summary = f": {event.summary}" if event.summary else ""
     return f"{event.node_id} fault{cause}{summary}"

@@ -1,0 +1,87 @@
+"""What the agent puts on the run's timeline for a hang and for the pre-flight check: a
+``fault`` per named node (they stay in the run: not a departure), each node's own check
+result, and a quarantine marked only by the node whose write landed."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+from torch.distributed.elastic.rendezvous import RendezvousHandler
+
+from agent.ending import quarantine_recorded, record_faults, record_health, record_restart
+from coordinator.core.events import Event, event_id
+from coordinator.core.state import Quarantine
+
+
+class Handler:
+    """What the recording helpers read from a handler (ours), and the events it got."""
+
+    node_id = "n1"
+    last_round = 4
+    incarnation = 2
+
+    def __init__(self, lands: bool = True) -> None:
+        self.events: list[Event] = []
+        self.written: list[Sequence[Quarantine]] = []
+        self._lands = lands
+
+    def record_event(self, event: Event) -> None:
+        self.events.append(event)
+
+    def quarantine(self, entries: Sequence[Quarantine]) -> bool:
+        self.written.append(entries)
+        return self._lands
+
+
+def handler(**kw: Any) -> tuple[Handler, RendezvousHandler]:
+    h = Handler(**kw)
+    return h, cast(RendezvousHandler, h)
+
+
+def test_a_hang_marks_each_named_node_with_a_hung_fault() -> None:
+    h, rdzv = handler()
+    record_faults(rdzv, ("a", "b"), "hung", 4, "hang in round 4: node(s) [a b] stopped first")
+    assert [(e.kind, e.node_id, e.cause, e.round, e.incarnation) for e in h.events] == [
+        ("fault", "a", "hung", 4, 2),
+        ("fault", "b", "hung", 4, 2),
+    ]
+    assert h.events[0].summary == "hang in round 4: node(s) [a b] stopped first"
+
+
+def test_a_restart_without_a_worker_failure_names_its_reason() -> None:
+    h, rdzv = handler()
+    record_restart(rdzv, 3, None, why="hang in round 4: ...")
+    (event,) = h.events
+    assert (event.kind, event.node_id, event.restart_count, event.summary) == (
+        "restarted", "n1", 3, "hang in round 4: ...",
+    )  # fmt: skip
+
+
+def test_only_the_node_whose_quarantine_write_landed_marks_the_nodes() -> None:
+    entry = Quarantine("slow-1", "matmul 5.02 s, 3x the median 0.01 s", 1_000, "host-b")
+    h, rdzv = handler()
+    write = quarantine_recorded(rdzv)
+    assert write is not None and write([entry]) is True
+    assert [(e.kind, e.node_id, e.cause, e.summary) for e in h.events] == [
+        ("fault", "slow-1", "quarantined", "matmul 5.02 s, 3x the median 0.01 s"),
+    ]
+    late, late_rdzv = handler(lands=False)
+    late_write = quarantine_recorded(late_rdzv)
+    assert late_write is not None and late_write([entry]) is False
+    assert late.written == [[entry]] and late.events == []
+
+
+def test_a_handler_without_a_timeline_or_quarantine_is_left_alone() -> None:
+    plain = cast(RendezvousHandler, object())
+    assert quarantine_recorded(plain) is None
+    record_faults(plain, ("a",), "hung", 1, "x")  # no error, nothing to record
+    record_health(plain, "a", 1, "x")
+
+
+def test_each_node_records_its_own_check_result_once_per_round() -> None:
+    h, rdzv = handler()
+    record_health(rdzv, "n1", 4, "node 0 n1 (host-a): devices cpu, ...; passed")
+    (event,) = h.events
+    assert event_id(event) == "health_checked/n1/4"
+    assert event.summary.endswith("passed")
