@@ -132,6 +132,8 @@ def test_backoff_grows_to_the_cap_and_jitters_in_the_upper_half() -> None:
         (Code.FAILED_PRECONDITION, "etcdserver: authentication is not enabled", ec.AUTH_DISABLED),
         (Code.NOT_FOUND, "etcdserver: requested lease not found", ec.NOT_FOUND),
         (Code.INVALID_ARGUMENT, "etcdserver: request is too large", ec.FATAL),
+        (Code.RESOURCE_EXHAUSTED, "etcdserver: too many requests", ec.RETRY),
+        (Code.RESOURCE_EXHAUSTED, "etcdserver: mvcc: database space exceeded", ec.FATAL),
         (None, "etcdserver: permission denied", ec.PERMISSION),
     ],
 )

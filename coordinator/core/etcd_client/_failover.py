@@ -79,6 +79,12 @@ def classify_status(code: Any, details: str) -> str:
         return AUTH_DISABLED
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return RETRY
+    if "too many requests" in text:
+        # etcd refused the request before proposing it (its apply loop is far behind
+        # its commits, e.g. a thousand nodes joining at once): not applied, so safe to
+        # send again after a backoff. Other RESOURCE_EXHAUSTED answers (no space left,
+        # a request too large) would only repeat.
+        return RETRY
     if code == grpc.StatusCode.NOT_FOUND:
         return NOT_FOUND
     return FATAL
