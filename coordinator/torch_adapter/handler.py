@@ -46,16 +46,14 @@ from coordinator.core.errors import (
     EtcdConnectionError,
     EtcdElasticError,
     EtcdTLSError,
-    JoinTimeoutError,
     NodeLeftError,
-    RunClosedError,
-    RunEndedWhileWaitingError,
 )
 from coordinator.core.etcd_client import EtcdClient, EtcdObserver, backoff_delay
 from coordinator.core.event_log import EventLog, record_event
 from coordinator.core.events import Event
 from coordinator.core.executor import StateExecutor
 from coordinator.core.hang_board import ProgressBoard
+from coordinator.core.join_outcome import JoinContext, join_error
 from coordinator.core.keys import make_node_id
 from coordinator.core.listeners import Listeners
 from coordinator.core.participation import Participation
@@ -353,47 +351,16 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 )  # fmt: skip
                 self.last_round, self.last_members = state.round, state.participants
                 return self._info(state, rank)
-            if action is NodeAction.EXIT_GRACEFULLY and self.node_id in state.draining:
-                raise RunEndedWhileWaitingError(
-                    f"run {run_id!r}: node {self.node_id} was drained (rdzvctl drain): it "
-                    "leaves the run"
-                )
-            if action is NodeAction.EXIT_GRACEFULLY:
-                how = "was drained" if state.close_mode == "drain" else "finished"
-                where = "as a spare" if is_spare(state, self.node_id) else "outside its round"
-                raise RunEndedWhileWaitingError(
-                    f"run {run_id!r} {how} ({state.closed_reason or 'closed'}) while node "
-                    f"{self.node_id} waited {where}: nothing left to do"
-                )
-            if action is NodeAction.ERROR_CLOSED:
-                reason = f" ({state.closed_reason})" if state.closed_reason else ""
-                raise RunClosedError(
-                    f"run {run_id!r} is closed{reason}: it admits no more nodes; start "
-                    "the job again (same --rdzv-id) once every node of this run has left"
-                )
-            if action is NodeAction.ERROR_SUPERSEDED:
-                self.leave()
-                raise RunClosedError(
-                    f"run {run_id!r} was started again as incarnation {state.incarnation} "
-                    f"after this node's incarnation {self.incarnation} ended: this node "
-                    "belongs to the ended one and never joins another; start it again"
-                )
-            if action is NodeAction.ERROR_TIMEOUT and state.closed:
-                self.leave()
-                raise JoinTimeoutError(
-                    f"run {run_id!r}: node {self.node_id} waited join_timeout="
-                    f"{self._settings.join_timeout:g} s to start the run again as incarnation "
-                    f"{self.incarnation}, but a node of the closed incarnation "
-                    f"{state.incarnation} ({state.closed_reason or 'closed'}) has not left"
-                )
-            if action is NodeAction.ERROR_TIMEOUT:
-                self.leave()
-                raise JoinTimeoutError(
-                    f"run {run_id!r}: node {self.node_id} was not admitted to round "
-                    f"{wanted or state.round + 1} within join_timeout="
-                    f"{self._settings.join_timeout:g} s (min_nodes={self._limits.min_nodes}, "
-                    f"last completed round {state.round} had {len(state.participants)} nodes)"
-                )
+            ctx = JoinContext(
+                run_id, self.node_id, self.incarnation, wanted, self._settings.join_timeout,
+                self._limits.min_nodes,
+            )  # fmt: skip
+            ended = join_error(action, state, ctx)
+            if ended is not None:
+                error, leave_first = ended
+                if leave_first:
+                    self.leave()
+                raise error
             if action is NodeAction.JOIN:
                 wanted = state.round + 1
                 if not self.incarnation:
