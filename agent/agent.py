@@ -76,6 +76,10 @@ __all__ = ["Agent", "signal_exit_code"]
 
 # How long a starting agent lets its warm interpreters import before it joins anyway.
 _WARM_BEFORE_JOIN_S = 60.0
+# After a start from the pool, how long the imports that replace the interpreters taken
+# wait while another one is still ready: the new workers load their checkpoint and take
+# their first step without a torch import competing for the same cores.
+_REFILL_DEFER_S = 5.0
 
 log = logging.getLogger(__name__)
 
@@ -521,7 +525,9 @@ class Agent:
             warm=self._warm, interrupted=self._wake,
         )  # fmt: skip
         self._group.start()
-        self._warm.refill({ln.ranks.local_rank: (ln.argv, ln.env) for ln in launches})
+        self._warm.refill(
+            {ln.ranks.local_rank: (ln.argv, ln.env) for ln in launches}, defer=_REFILL_DEFER_S
+        )
         self._history.started(self._group.pids, self.restart_count)
         return True
 

@@ -166,14 +166,25 @@ class WarmPool:
             slot = self._slots.get(local_rank, [])
             return sum(1 for w in slot if w.ready.is_set() and w.failed is None)
 
-    def refill(self, templates: Mapping[int, tuple[Sequence[str], Mapping[str, str]]]) -> None:
+    def refill(
+        self,
+        templates: Mapping[int, tuple[Sequence[str], Mapping[str, str]]],
+        defer: float = 0.0,
+    ) -> None:
         """Keep each local rank topped up to ``depth`` processes fit for a worker like
         ``templates[local_rank]`` = (argv, env), discarding those that no longer fit.
         Returns at once. One process per local rank imports at a time (the next starts
         when it is ready), so a refill never takes more of the cores than a cold start of
-        the same workers would."""
+        the same workers would.
+
+        ``defer``: seconds to wait before the imports of local ranks that still have a
+        ready process (the workers just started from the pool load their checkpoint and
+        take their first step meanwhile, without an import on the same cores); a rank
+        left with none tops up at once, so a second failure soon after still finds one
+        importing."""
         if not self.enabled:
             return
+        later: list[int] = []
         for local_rank, (argv, env) in templates.items():
             target = warm_target(argv)
             if target is None:
@@ -187,6 +198,17 @@ class WarmPool:
                 slot[:] = [w for w in slot if w not in stale]
             for warm in stale:
                 warm.discard()
+            if defer > 0 and self.ready_count(local_rank) > 0:
+                later.append(local_rank)
+            else:
+                self._top_up(local_rank)
+        if later:
+            timer = threading.Timer(defer, self._top_up_all, args=(later,))
+            timer.daemon = True
+            timer.start()
+
+    def _top_up_all(self, local_ranks: Sequence[int]) -> None:
+        for local_rank in local_ranks:
             self._top_up(local_rank)
 
     def _top_up(self, local_rank: int) -> None:

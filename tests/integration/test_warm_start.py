@@ -333,7 +333,8 @@ class Harness:
     def pool(self, modules: Sequence[str] = (), **kw: Any) -> WarmPool:
         """One process per local rank, as a restart uses (the default depth of two
         doubles the imports for nothing here)."""
-        pool = WarmPool(modules, depth=1, **kw)
+        kw.setdefault("depth", 1)
+        pool = WarmPool(modules, **kw)
         self.pools.append(pool)
         return pool
 
@@ -1414,3 +1415,36 @@ def test_interpreters_that_keep_dying_while_importing_turn_warm_starts_off(
         assert _started_cold(harness, pool, launch, killed, tmp_path).returncode == 0
     finally:
         release.write_text("")
+
+
+def test_a_deferred_refill_waits_while_a_ready_interpreter_is_left(
+    harness: Harness, tmp_path: Path
+) -> None:
+    write_probe(tmp_path)
+    launch = make_launch(tmp_path / "runs" / "w", 0, build_argv("src/probe.py", ["exit:0"]),
+                         base_env())  # fmt: skip
+    pool = harness.pool([], depth=2)
+    pool.refill({0: (launch.argv, launch.env)})
+    wait_ready(pool, [0])
+    deadline = time.monotonic() + READY_WITHIN
+    while len(warm_pids(pool, 0)) < 2 or pool.ready_count(0) < 2:
+        assert time.monotonic() < deadline, "the pool did not fill"
+        time.sleep(0.05)
+    group = harness.start([launch], pool=pool, cwd=tmp_path)  # takes one: one is left
+    assert len(warm_pids(pool, 0)) == 1
+    pool.refill({0: (launch.argv, launch.env)}, defer=2.0)
+    time.sleep(1.0)
+    assert len(warm_pids(pool, 0)) == 1, "the import started before its deferral ended"
+    deadline = time.monotonic() + 10
+    while len(warm_pids(pool, 0)) < 2:
+        assert time.monotonic() < deadline, "the deferred import never started"
+        time.sleep(0.05)
+    assert harness.finish(group)[0].returncode == 0
+    # A rank left with no ready interpreter tops up at once, deferral or not.
+    group = harness.start([launch], pool=pool, cwd=tmp_path)
+    group2 = harness.start([launch], pool=pool, cwd=tmp_path)
+    assert pool.ready_count(0) == 0
+    pool.refill({0: (launch.argv, launch.env)}, defer=30.0)
+    assert len(warm_pids(pool, 0)) == 1, "a rank with nothing ready must not wait"
+    assert harness.finish(group)[0].returncode == 0
+    assert harness.finish(group2)[0].returncode == 0
