@@ -68,6 +68,7 @@ __all__ = [
     "RUN_START",
     "STEP",
     "TEARDOWN_START",
+    "TRIGGER",
     "VIOLATION",
     "WORKERS_STARTED",
     "WORKERS_STOPPED",
@@ -92,6 +93,7 @@ AGENT_EXITED: Final = "agent_exited"
 ORPHAN_ALIVE: Final = "orphan_alive"
 FAULT_START: Final = "fault_start"
 FAULT_END: Final = "fault_end"
+TRIGGER: Final = "trigger"
 HARNESS_ERROR: Final = "harness_error"
 TEARDOWN_START: Final = "teardown_start"
 RUN_END: Final = "run_end"

@@ -121,6 +121,23 @@ def healthy() -> list[Event]:
     return sorted(b.events, key=lambda e: e["mono"])
 
 
+def _late_formation_fault(events: list[Event], inner: str, trigger_at: float) -> list[Event]:
+    """Fault 0 as a formation fault whose second fault (``inner``) began at
+    ``trigger_at``, and round 2 training 8 s after it began."""
+    late = [e for e in events if not (_is("step", round=2)(e) and e["mono"] < 18.0)]
+    late = _edit(late, _is("fault_start", index=0), kind="formation_fault", inner=inner)
+    return _add(
+        late,
+        trigger_at,
+        "harness",
+        1,
+        "trigger",
+        index=0,
+        what="re-forming",
+        after_s=trigger_at - 10.0,
+    )
+
+
 def _edit(events: list[Event], pred: Callable[[Event], bool], **fields: Any) -> list[Event]:
     return [{**e, **fields} if pred(e) else e for e in events]
 
@@ -187,6 +204,10 @@ BROKEN: list[tuple[str, str, Mutation]] = [
                     after_s=1.5)),
     ("recovery_bound", "round 2 trains 8 s after the kill (bound 2 + 5)",
      lambda h: [e for e in h if not (_is("step", round=2)(e) and e["mono"] < 18.0)]),
+    ("recovery_bound", "a formation fault's leader kill 0.5 s in does not excuse 8 s",
+     lambda h: _late_formation_fault(h, inner="etcd_leader_kill", trigger_at=10.5)),
+    ("recovery_bound", "a formation fault's second agent kill re-arms no lease",
+     lambda h: _late_formation_fault(h, inner="agent_sigkill", trigger_at=11.5)),
     ("recovery_bound", "round 2 never trains",
      lambda h: [e for e in h if not _is("step", round=2)(e)]),
     ("no_restart_without_node_loss", "agent a stops its workers during the etcd fault",
@@ -216,6 +237,9 @@ STILL_HEALTHY: list[tuple[str, Mutation]] = [
                     step=99, begin=10.001)),
     ("rank 0 moves because its holder a was hit by the node-removing fault (frozen)",
      lambda h: _reorder(_edit(h, _is("fault_start", index=0), pids=[100]), 2, ["b", "a", "d"])),
+    ("a formation fault whose etcd leader kill 1.5 s in re-armed every lease: 8 s is within "
+     "1.5 + TTL 2 + 5",
+     lambda h: _late_formation_fault(h, inner="etcd_leader_kill", trigger_at=11.5)),
     ("what happens at teardown is not judged",
      lambda h: _add(h, 26.5, "agent", 100, "workers_stopped", node="a", round=2, reason="stop")),
 ]  # fmt: skip
