@@ -292,7 +292,12 @@ class CoordinatorDuty:
                 if decision.actions:
                     result = executor.commit((state, mod_revision), decision.actions, fence=fence)
                     if self._events is not None and result.succeeded:
-                        recorder.committed(state, result.state, decision.actions, result.revision)
+                        with self._nodes_lock:
+                            table = self._nodes.nodes
+                            live = [p for p in state.participants if p in table]
+                        recorder.committed(
+                            state, result.state, decision.actions, result.revision, live
+                        )
                         self._events.submit(recorder.take())
                     if self._settle(me, result, decision.actions):
                         return

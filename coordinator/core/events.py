@@ -31,7 +31,7 @@ Everything here is pure; writing is :mod:`coordinator.core.event_log`.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -286,6 +286,7 @@ def events_of_commit(
     actions: Sequence[Action],
     revision: int,
     generations: Mapping[str, int],
+    live: Collection[str] | None = None,
 ) -> list[Event]:
     """The events a coordinator's successful commit records.
 
@@ -295,6 +296,10 @@ def events_of_commit(
         revision: the commit's etcd revision.
         generations: node id -> create revision of its key, for the nodes the coordinator
             has seen (a departure's id names the key that went).
+        live: the participants of ``before`` whose key was alive when it decided: one
+            whose key went and whom a completed round leaves out departed, even when no
+            commit marked it lost first (the others re-joined before its lease ended).
+            None: not known (no such departure is recorded).
     """
     out: list[Event] = []
 
@@ -314,6 +319,14 @@ def events_of_commit(
     for action in actions:
         kind = action.kind
         if kind is ActionKind.MARK_RENDEZVOUS_COMPLETE:
+            gone = (
+                set()
+                if live is None
+                else set(before.participants) - set(after.participants) - set(live)
+            )
+            for node in before.participants:
+                if node in gone and node not in before.lost and node not in before.draining:
+                    departed(node, "lease_expired")
             out.append(
                 Event(
                     "round_completed",
@@ -391,9 +404,11 @@ class EventRecorder:
         after: RdzvState,
         actions: Sequence[Action],
         revision: int,
+        live: Collection[str] | None = None,
     ) -> None:
-        """Note what a successful commit did (rounds, departures)."""
-        for event in events_of_commit(before, after, actions, revision, self._generations):
+        """Note what a successful commit did (rounds, departures); ``live``: see
+        :func:`events_of_commit`."""
+        for event in events_of_commit(before, after, actions, revision, self._generations, live):
             self.pending.append(replace(event, written_by=self._written_by))
             if event.kind == "departed":
                 self._generations.pop(event.node_id, None)
