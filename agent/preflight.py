@@ -81,7 +81,8 @@ class CheckProcess:
     def _line(self, timeout: float) -> bytes | None:
         """The next line of its output (b"": it ended), None after ``timeout`` seconds."""
         stdout = self._spawned.process.stdout
-        assert stdout is not None
+        if stdout is None:  # started with stdout=PIPE: never; said as the check's failure
+            raise OSError("the check process has no output pipe")
         deadline = time.monotonic() + timeout
         line = b""
         while not line.endswith(b"\n"):
@@ -106,8 +107,9 @@ class CheckProcess:
             and reaped either way.
         """
         proc = self._spawned.process
-        assert proc.stdin is not None
         try:
+            if proc.stdin is None:  # started with stdin=PIPE: never; said as the failure
+                raise OSError("the check process has no input pipe")
             self._spawned.confirm()
             waiting = time.monotonic()
             ready = self._line(import_timeout)
