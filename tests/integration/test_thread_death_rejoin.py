@@ -69,6 +69,33 @@ def test_a_dead_watch_thread_makes_the_node_rejoin(
     assert new_revision.create_revision > old_revision.create_revision  # a new key
 
 
+def _lone_joiner(
+    etcd1: EtcdCluster, run_id: str, handlers: list[EtcdRendezvousHandler]
+) -> tuple[EtcdRendezvousHandler, EtcdRendezvousHandler, Joins]:
+    """Two nodes of a min_nodes=2 run; the first is joining alone (waiting for its round)."""
+    first, second = make_handler(etcd1, run_id, 2, 2), make_handler(etcd1, run_id, 2, 2)
+    handlers += [first, second]
+    waiting = Joins([first]).start()
+    wait_until(lambda: first._current() is not None, 30, "the first node to start joining")
+    return first, second, waiting
+
+
+def _rewrite_key(poker: EtcdClient, key: str) -> None:
+    """Write ``key`` again as it is: an event its watchers handle. Any response the dying
+    thread handles kills it: if one came first (the node's own writes), the node has
+    left already and revoked the lease this put would use."""
+    kv, _ = poker.get(key)
+    if kv is not None:
+        with contextlib.suppress(LeaseLostError):
+            poker.put(key, kv.value, lease=kv.lease)
+
+
+def _both_join(first_joins: Joins, second: EtcdRendezvousHandler) -> tuple[int, int]:
+    infos = Joins([second]).start().infos(60)
+    joined = first_joins.infos(60)
+    return infos[0].rank, joined[0].rank
+
+
 def test_a_thread_death_during_a_join_starts_the_join_over(
     etcd1: EtcdCluster,
     run_id: str,
@@ -78,10 +105,7 @@ def test_a_thread_death_during_a_join_starts_the_join_over(
     # The worst moment: a node is waiting for its round (min_nodes=2, alone so far) when
     # its watch thread dies. Its join must start over on a fresh participation, not hang
     # on the closed view until join_timeout.
-    first, second = make_handler(etcd1, run_id, 2, 2), make_handler(etcd1, run_id, 2, 2)
-    handlers += [first, second]
-    waiting = Joins([first]).start()
-    wait_until(lambda: first._current() is not None, 30, "the first node to start joining")
+    first, second, waiting = _lone_joiner(etcd1, run_id, handlers)
     old = first._current()
     client: EtcdClient = first._etcd()
 
@@ -94,16 +118,9 @@ def test_a_thread_death_during_a_join_starts_the_join_over(
     key = first._keys.node(first.node_id)
     wait_until(lambda: client.get(key)[0] is not None, 30, "the first node's key")
     with EtcdClient(EtcdConfig(endpoints=tuple(etcd1.endpoints))) as poker:
-        kv, _ = poker.get(key)
-        # Any response the thread handles kills it: if one came first (the node's own
-        # writes), it has left already and revoked the lease this put would use.
-        if kv is not None:
-            with contextlib.suppress(LeaseLostError):
-                poker.put(key, kv.value, lease=kv.lease)
+        _rewrite_key(poker, key)
     wait_until(lambda: first._current() is not old, 30, "the first node to leave")
-    infos = Joins([second]).start().infos(60)
-    joined = waiting.infos(60)
-    assert sorted([infos[0].rank, joined[0].rank]) == [0, 1]
+    assert sorted(_both_join(waiting, second)) == [0, 1]
     assert first._current() is not old
 
 
@@ -115,10 +132,7 @@ def test_repeated_thread_deaths_during_a_join_still_end_in_a_round(
 ) -> None:
     # A fault that lasts: every watch thread the joining node starts dies on its first
     # response for a few seconds. Once it stops, the join must still end in a round.
-    first, second = make_handler(etcd1, run_id, 2, 2), make_handler(etcd1, run_id, 2, 2)
-    handlers += [first, second]
-    waiting = Joins([first]).start()
-    wait_until(lambda: first._current() is not None, 30, "the first node to start joining")
+    first, second, waiting = _lone_joiner(etcd1, run_id, handlers)
     client: EtcdClient = first._etcd()
     deaths = 0
 
@@ -132,13 +146,8 @@ def test_repeated_thread_deaths_during_a_join_still_end_in_a_round(
     deadline = time.monotonic() + 3
     with EtcdClient(EtcdConfig(endpoints=tuple(etcd1.endpoints))) as poker:
         while time.monotonic() < deadline:
-            kv, _ = poker.get(key)
-            if kv is not None:
-                with contextlib.suppress(LeaseLostError):
-                    poker.put(key, kv.value, lease=kv.lease)
+            _rewrite_key(poker, key)
             time.sleep(0.2)
     monkeypatch.undo()
     assert deaths >= 2
-    infos = Joins([second]).start().infos(60)
-    joined = waiting.infos(60)
-    assert sorted([infos[0].rank, joined[0].rank]) == [0, 1]
+    assert sorted(_both_join(waiting, second)) == [0, 1]
