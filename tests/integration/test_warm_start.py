@@ -1448,3 +1448,28 @@ def test_a_deferred_refill_waits_while_a_ready_interpreter_is_left(
     assert len(warm_pids(pool, 0)) == 1, "a rank with nothing ready must not wait"
     assert harness.finish(group)[0].returncode == 0
     assert harness.finish(group2)[0].returncode == 0
+
+
+def test_a_pool_closed_during_a_deferred_refill_starts_nothing_after(
+    harness: Harness, tmp_path: Path
+) -> None:
+    # The worst moment for the deferral: the agent stops (a signal, the run closed) while a
+    # refill waits. The timer fires later into a closed pool: no interpreter may start then,
+    # since nothing would ever reap it.
+    write_probe(tmp_path)
+    launch = make_launch(tmp_path / "runs" / "w", 0, build_argv("src/probe.py", ["exit:0"]),
+                         base_env())  # fmt: skip
+    pool = harness.pool([], depth=2)
+    pool.refill({0: (launch.argv, launch.env)})
+    deadline = time.monotonic() + READY_WITHIN
+    while pool.ready_count(0) < 2:
+        assert time.monotonic() < deadline, "the pool did not fill"
+        time.sleep(0.05)
+    group = harness.start([launch], pool=pool, cwd=tmp_path)
+    [left] = warm_pids(pool, 0)
+    pool.refill({0: (launch.argv, launch.env)}, defer=1.0)
+    pool.close()
+    assert wait_gone(left), "close left an idle interpreter running"
+    time.sleep(2.0)  # past the deferral
+    assert warm_pids(pool, 0) == []
+    assert harness.finish(group)[0].returncode == 0
