@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler
@@ -144,47 +144,44 @@ def leave(handler: RendezvousHandler, ctx: str) -> None:
         log.exception("%s: could not leave the rendezvous", ctx)
 
 
+def _record(handler: RendezvousHandler, events: Iterable[Event]) -> None:
+    """Append ``events`` to the run's timeline (``rdzvctl events``) when the handler keeps
+    one (ours). Never blocks or raises: the writes happen in the background."""
+    record: Callable[[Event], None] | None = getattr(handler, "record_event", None)
+    if record is not None:
+        for event in events:
+            record(event)
+
+
 def record_restart(
     handler: RendezvousHandler, restart_count: int, cause: Failure | None, why: str = ""
 ) -> None:
-    """Append a counted restart, with its root cause (a worker's failure, else ``why``),
-    to the run's timeline (``rdzvctl events``), when the handler keeps one (ours). Never
-    blocks or raises: the write happens in the background."""
-    record: Callable[[Event], None] | None = getattr(handler, "record_event", None)
-    if record is None:
-        return
+    """A counted restart, with its root cause (a worker's failure, else ``why``), on the
+    run's timeline."""
     summary = why if cause is None else f"rank {cause.global_rank}: {cause.message}"
-    node = str(getattr(handler, "node_id", ""))
-    record(
-        Event(
-            "restarted",
-            node_id=node,
-            round=int(getattr(handler, "last_round", 0)),
-            restart_count=restart_count,
-            summary=summary,
-            incarnation=int(getattr(handler, "incarnation", 0)),
-        )
+    restarted = Event(
+        "restarted",
+        node_id=str(getattr(handler, "node_id", "")),
+        round=int(getattr(handler, "last_round", 0)),
+        restart_count=restart_count,
+        summary=summary,
+        incarnation=int(getattr(handler, "incarnation", 0)),
     )
+    _record(handler, (restarted,))
 
 
 def record_faults(
     handler: RendezvousHandler, node_ids: Sequence[str], cause: Cause, round: int, summary: str
 ) -> None:
     """Mark ``node_ids`` on the run's timeline with a fault (``hung``: named by a hang
-    declared in ``round``; ``quarantined``: left out by the pre-flight check), when the
-    handler keeps one (ours). Each node stays in the run (its key lives on), so this is a
-    ``fault`` event, not a departure. Never blocks or raises."""
-    record: Callable[[Event], None] | None = getattr(handler, "record_event", None)
-    if record is None:
-        return
+    declared in ``round``; ``quarantined``: left out by the pre-flight check). Each node
+    stays in the run (its key lives on), so this is a ``fault`` event, not a departure."""
     incarnation = int(getattr(handler, "incarnation", 0))
-    for node_id in node_ids:
-        record(
-            Event(
-                "fault", node_id=node_id, cause=cause, round=round, summary=summary,
-                incarnation=incarnation,
-            )
-        )  # fmt: skip
+    _record(handler, (
+        Event("fault", node_id=node_id, cause=cause, round=round, summary=summary,
+              incarnation=incarnation)
+        for node_id in node_ids
+    ))  # fmt: skip
 
 
 def quarantine_recorded(
@@ -210,9 +207,7 @@ def quarantine_recorded(
 
 def record_health(handler: RendezvousHandler, node_id: str, round: int, line: str) -> None:
     """This node's result in a round's pre-flight check, on the run's timeline."""
-    record: Callable[[Event], None] | None = getattr(handler, "record_event", None)
-    if record is not None:
-        record(Event("health_checked", node_id=node_id, round=round, summary=line))
+    _record(handler, (Event("health_checked", node_id=node_id, round=round, summary=line),))
 
 
 def collect_failures(group: WorkerGroup | None) -> dict[int, Failure]:
