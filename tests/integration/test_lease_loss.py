@@ -321,7 +321,7 @@ def test_a_keepalive_thread_that_dies_fails_the_lease_and_tells_the_death_listen
         keepalive = client.keep_alive(lease, ttl, seen.on_lost)
         _eventually(lambda: keepalive.endpoint is not None)
 
-        def broken(rsp: object) -> bool:
+        def broken(index: int, rsp: object) -> bool:
             raise RuntimeError("injected into the keep-alive thread")
 
         # The hook: the keep-alive's handling of the next answer raises.

@@ -147,3 +147,34 @@ def test_the_outage_names_every_endpoint_tried_and_the_last_error() -> None:
         "(tried no endpoint yet); workers keep running and keep-alives go on; the lease "
         "counts as lost only if etcd says so when it answers"
     )
+
+
+def _waiting(sent: float, granted_at: float = 0.0, ttl: int = 6) -> Liveness:
+    live = Liveness(1, ttl, granted_at=granted_at)
+    live.sent(live.new_stream(), sent)
+    return live
+
+
+def test_a_member_silent_since_the_keepalive_went_out_is_hung_after_an_interval() -> None:
+    live = _waiting(sent=1.0)
+    assert not live.member_hung(2.9, 2.0, member_heard_at=0.5)  # not a whole interval yet
+    assert live.member_hung(3.0, 2.0, member_heard_at=0.5)
+
+
+def test_a_member_that_answers_other_calls_is_slow_not_hung() -> None:
+    # An overloaded member (a thousand nodes joining) answers late but answers: reopening
+    # the stream elsewhere would only add load.
+    live = _waiting(sent=1.0)
+    assert not live.member_hung(3.5, 2.0, member_heard_at=1.2)
+
+
+def test_a_slow_member_is_left_when_the_lease_would_run_out_within_an_interval() -> None:
+    live = _waiting(sent=1.0, granted_at=0.0, ttl=6)  # alive until 6.0
+    assert not live.member_hung(3.9, 2.0, member_heard_at=3.5)
+    assert live.member_hung(4.1, 2.0, member_heard_at=3.5)
+
+
+def test_nothing_unanswered_is_never_hung() -> None:
+    live = Liveness(1, 6, granted_at=0.0)
+    assert not live.member_hung(100.0, 2.0, member_heard_at=-1.0)
+

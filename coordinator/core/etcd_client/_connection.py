@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 from collections.abc import Callable
@@ -154,6 +155,17 @@ class _Connection:
         self._auth_lock = threading.Lock()
         self._token: str | None = None  # "" once etcd said auth is not enabled
         self._authenticated = False  # etcd accepted our password once
+        # When each member last answered anything on this client (monotonic): the
+        # keep-alive takes a member that answers other calls as slow, not hung.
+        self._heard = [-math.inf] * len(config.endpoints)
+
+    def _heard_from(self, index: int) -> None:
+        """Note that member ``index`` answered (a reply or an error status from etcd)."""
+        self._heard[index] = self._clock()
+
+    def last_heard(self, index: int) -> float:
+        """When member ``index`` last answered anything on this client (monotonic)."""
+        return self._heard[index]
 
     def _wait(self, seconds: float) -> None:
         # A wait that close() ends early, so a closing client does not sit out a backoff.
@@ -262,29 +274,32 @@ class _Connection:
         finally:
             self._observed.call_done("authenticate", self._clock() - started, failed)
 
-    def _observe_failure(self, method: str, exc: grpc.RpcError) -> None:
+    def _observe_failure(self, method: str, index: int, exc: grpc.RpcError) -> None:
         """Report one failed attempt; an error status other than a connection failure
         is an answer from etcd too (the member is up and said no)."""
+        code, details = _status(exc)
+        answered = classify_status(code, details) != RETRY
+        if answered:
+            self._heard_from(index)
         observed = self._observed
         if observed.enabled:
-            code, details = _status(exc)
             observed.attempt_failed(method, _code_name(code))
-            if classify_status(code, details) != RETRY:
+            if answered:
                 observed.answered(self._clock())
 
     def _observing(
         self, method: str, attempt: Callable[[int, float], T]
     ) -> Callable[[int, float], T]:
-        """``attempt``, reporting its answer or failure to the observer (if any)."""
-        if not self._observed.enabled:
-            return attempt
+        """``attempt``, noting which member answered and reporting the answer or the
+        failure to the observer (if any)."""
 
         def observed(index: int, timeout: float) -> T:
             try:
                 result = attempt(index, timeout)
             except grpc.RpcError as exc:
-                self._observe_failure(method, exc)
+                self._observe_failure(method, index, exc)
                 raise
+            self._heard_from(index)
             self._observed.answered(self._clock())
             return result
 

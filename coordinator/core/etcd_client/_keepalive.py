@@ -52,11 +52,15 @@ class _Attempt(NamedTuple):
 class KeepAlive:
     """One long-lived keep-alive stream for one lease.
 
-    Sends a keep-alive about every ``ttl / 3`` and reads the answers; a member that does
-    not answer within that interval is taken as hung and the stream is reopened on the
-    next endpoint. Before each (re)open, one time-to-live request bounded by the interval
-    asks etcd whether the lease still exists (a stream on a channel still connecting would
-    block unnoticed; and its answer is etcd's word on the lease).
+    Sends a keep-alive about every ``ttl / 3`` and reads the answers. A keep-alive left
+    unanswered for an interval makes the member hung, and the stream is reopened on the
+    next endpoint, if the member answered nothing else on this client since it went out
+    or the lease's guarantee runs out within an interval (``Liveness.member_hung``): an
+    overloaded member that answers late is not left, since reopening adds load and, under
+    a thousand nodes joining at once, turned slow answers into expired leases. Before each
+    reopen, one time-to-live request bounded by the interval asks etcd whether the lease
+    still exists (a stream on a channel still connecting would block unnoticed; and its
+    answer is etcd's word on the lease); the first stream after a grant skips it.
 
     **Never gives up on a timer.** While no member answers it keeps trying, failing over
     between endpoints with a backoff of at most about a second, for as long as it takes;
@@ -107,6 +111,9 @@ class KeepAlive:
             lease_id, ttl, client._clock() if granted_at is None else granted_at
         )
         self._call: Any = None
+        # The first stream after a grant needs no probe: the grant's answer is etcd's
+        # fresh word on the lease, over a channel that just worked.
+        self._probe_first = granted_at is None
         self._quiet = False  # a failure was logged since the last answer: log the rest at debug
         self._thread: threading.Thread | None = None
         # Where the stream last got an answer (None while reconnecting), for diagnostics.
@@ -215,7 +222,7 @@ class KeepAlive:
 
     # -- the stream -----------------------------------------------------------------------
 
-    def _requests(self, stream: int, done: threading.Event) -> Iterator[Any]:
+    def _requests(self, stream: int, index: int, done: threading.Event) -> Iterator[Any]:
         """Requests of one stream; runs on gRPC's feeding thread. Cancels a stale stream."""
         clock = self._client._clock
         while not done.is_set():
@@ -224,17 +231,19 @@ class KeepAlive:
             yield etcdrpc.LeaseKeepAliveRequest(ID=self.lease_id)
             if done.wait(self._interval):
                 return
+            heard_at = self._client.last_heard(index)
             with self._lock:
-                stale = self._liveness.oldest_unanswered() is not None
+                hung = self._liveness.member_hung(clock(), self._interval, heard_at)
                 call = self._call
-            if stale and call is not None:
-                # No answer within an interval: this member is hung; try the next one.
+            if hung and call is not None:
+                # This member answered nothing since our keep-alive went out: try the next.
                 done.set()
                 call.cancel()
                 return
 
-    def _on_answer(self, rsp: Any) -> bool:
+    def _on_answer(self, index: int, rsp: Any) -> bool:
         """One keep-alive answer; False once the lease is lost (the stream is done)."""
+        self._client._heard_from(index)
         now = self._client._clock()
         with self._lock:
             sent_at = self._liveness.oldest_unanswered()
@@ -261,6 +270,7 @@ class KeepAlive:
             future.cancel()
         rsp = future.result()
         now = clock()
+        self._client._heard_from(index)
         self._client._observed.answered(now)
         with self._lock:
             change = self._liveness.probed(now, sent_at, int(rsp.TTL))
@@ -281,10 +291,11 @@ class KeepAlive:
         try:
             # Authenticating (with its own failover) is bounded like one interval's wait.
             metadata = client._metadata(self._interval)
-            if not self._probe(index, metadata):
+            probe, self._probe_first = self._probe_first, True
+            if probe and not self._probe(index, metadata):
                 return _Attempt(RETRY, metadata, True)
             call = client._channels.stubs(index).lease.LeaseKeepAlive(
-                self._requests(stream, done), metadata=_stream_metadata(metadata)
+                self._requests(stream, index, done), metadata=_stream_metadata(metadata)
             )
             with self._lock:
                 self._call = call
@@ -293,7 +304,7 @@ class KeepAlive:
             for rsp in call:
                 self.endpoint = name
                 answered = True
-                if not self._on_answer(rsp):
+                if not self._on_answer(index, rsp):
                     return _Attempt(RETRY, metadata, True)
             self._failed(name, "the member ended the stream")
             client._observed.attempt_failed("lease_keepalive", STREAM_ENDED)

@@ -135,6 +135,21 @@ class Liveness:
         """Send time of the oldest request still waiting for its answer (None: none)."""
         return self._unanswered[0] if self._unanswered else None
 
+    def member_hung(self, now: float, interval: float, member_heard_at: float) -> bool:
+        """Whether the stream's member must be taken as hung and the stream reopened on
+        the next one.
+
+        Only when a keep-alive has waited a whole ``interval`` and either the member
+        answered nothing on this client since that keep-alive was sent
+        (``member_heard_at``: a member that answers other calls is slow, not hung, and
+        reopening would only add load) or the lease's guarantee runs out within an
+        interval (then another member is worth a try even if this one is only slow).
+        """
+        sent_at = self.oldest_unanswered()
+        if sent_at is None or now - sent_at < interval:
+            return False
+        return member_heard_at < sent_at or self.alive_until - now < interval
+
     def answered(self, now: float, ttl: int) -> Change | None:
         """etcd answered the stream's oldest request with ``ttl``; the change to report.
 
