@@ -19,9 +19,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+from etcd3 import etcdrpc
 
 from coordinator.core.errors import EtcdAuthError, EtcdConnectionError, EtcdTLSError
 from coordinator.core.etcd_client import EtcdClient, EtcdConfig, KeyValue
+from coordinator.core.etcd_client._client import earlier_grant_applied
 from coordinator.etcd_server import EtcdCluster, find_etcd_binary, free_port
 from tests.integration.etcd_client_support import (
     Recorder,
@@ -183,6 +185,24 @@ def test_keep_alive_reports_a_lease_revoked_by_another_client(
         assert keepalive.lost() and lost == [1]
         keepalive.close()
         assert lost == [1]
+
+
+def test_a_granted_lease_has_the_id_the_client_chose_and_a_second_grant_of_it_is_refused(
+    etcd1: EtcdCluster,
+) -> None:
+    # The contract a retried grant relies on (EtcdClient.lease_grant): etcd keeps the id
+    # the client sends, and refuses that id again with "lease already exists", which the
+    # retry then takes as its own lease (earlier_grant_applied). Pinned on each etcd.
+    with _client(etcd1.endpoints) as client:
+        lease = client.lease_grant(5)
+        assert 0 < lease < 2**62
+        assert client.lease_grant(5) != lease
+        stub = etcdrpc.LeaseStub(grpc.insecure_channel(etcd1.endpoints[0]))
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.LeaseGrant(etcdrpc.LeaseGrantRequest(TTL=5, ID=lease), timeout=5)
+        details = refused.value.details() or ""
+        assert earlier_grant_applied(2, details), details
+        assert client.lease_time_to_live(lease) > 0
 
 
 # -- failover -----------------------------------------------------------------------------

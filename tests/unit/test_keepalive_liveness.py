@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.core.etcd_client import LeaseState, Outage
+from coordinator.core.etcd_client._client import earlier_grant_applied
 from coordinator.core.etcd_client._liveness import Change, Liveness
 
 ALIVE, UNREACHABLE, LOST = LeaseState.ALIVE, LeaseState.UNREACHABLE, LeaseState.LOST
@@ -178,3 +179,17 @@ def test_nothing_unanswered_is_never_hung() -> None:
     live = Liveness(1, 6, granted_at=0.0)
     assert not live.member_hung(100.0, 2.0, member_heard_at=-1.0)
 
+
+@pytest.mark.parametrize(
+    ("attempt", "details", "ours"),
+    [
+        (2, "etcdserver: lease already exists", True),
+        (3, "etcdserver: lease already exists", True),
+        (1, "etcdserver: lease already exists", False),  # another lease has the id
+        (2, "etcdserver: too many requests", False),
+    ],
+)
+def test_a_retried_grant_answered_already_exists_is_our_lease(
+    attempt: int, details: str, ours: bool
+) -> None:
+    assert earlier_grant_applied(attempt, details) is ours

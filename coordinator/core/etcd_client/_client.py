@@ -7,12 +7,13 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from etcd3 import etcdrpc
 
 from coordinator.core.errors import EtcdConnectionError, LeaseLostError
+from coordinator.core.etcd_client._connection import Metadata
 from coordinator.core.etcd_client._failover import NOT_FOUND, _status, classify_status
 from coordinator.core.etcd_client._keepalive import KeepAlive, OnReachable, OnUnreachable
 from coordinator.core.etcd_client._kv import _KV, _check_prefix
@@ -27,6 +28,22 @@ T = TypeVar("T")
 __all__ = ["EtcdClient"]
 
 log = logging.getLogger("coordinator.core.etcd_client")  # one logger for the whole package
+
+# Lease ids are chosen by the client (see lease_grant) from the OS's randomness, never
+# from a client's injected rng: two clients seeded alike must not pick the same ids.
+_LEASE_IDS = random.SystemRandom()
+_MAX_LEASE_ID = 2**62  # etcd's ids are int64; 0 would mean "etcd, choose one"
+_LEASE_EXISTS = "lease already exists"
+
+
+def earlier_grant_applied(attempt: int, details: str) -> bool:
+    """Whether etcd's refusal ``details`` of attempt number ``attempt`` (from 1) of one
+    grant of a client-chosen id says an earlier attempt was applied: the lease is ours.
+
+    On the first attempt the same words mean another lease has the id (with random
+    62-bit ids, not seen in practice): an error, never somebody else's lease taken.
+    """
+    return attempt > 1 and _LEASE_EXISTS in details.lower()
 
 
 class EtcdClient(_KV):
@@ -111,16 +128,29 @@ class EtcdClient(_KV):
     def lease_grant(self, ttl: int) -> int:
         """Grant a lease of ``ttl`` seconds; return its id.
 
-        A retry after an unknown outcome may leave an unused lease behind; it expires
-        after ``ttl`` on its own.
+        The id is chosen here, at random, so a retry after an unknown outcome is
+        idempotent: if the first attempt was applied after all, etcd answers the retry
+        "lease already exists", and that lease is ours (no unused lease is left behind;
+        it started counting its TTL no earlier than the first attempt was sent).
         """
-        request = etcdrpc.LeaseGrantRequest(TTL=ttl)
-        rsp = self._unary(
-            "lease_grant", lambda s, t, m: s.lease.LeaseGrant(request, timeout=t, metadata=m)
-        )
-        if rsp.error:
-            raise EtcdConnectionError(f"etcd refused a lease of {ttl} s: {rsp.error}")
-        return int(rsp.ID)
+        lease_id = _LEASE_IDS.randrange(1, _MAX_LEASE_ID)
+        request = etcdrpc.LeaseGrantRequest(TTL=ttl, ID=lease_id)
+        attempts = 0
+
+        def grant(stubs: Any, timeout: float, metadata: Metadata) -> int:
+            nonlocal attempts
+            attempts += 1
+            try:
+                rsp = stubs.lease.LeaseGrant(request, timeout=timeout, metadata=metadata)
+            except grpc.RpcError as exc:
+                if earlier_grant_applied(attempts, _status(exc)[1]):
+                    return lease_id
+                raise
+            if rsp.error:
+                raise EtcdConnectionError(f"etcd refused a lease of {ttl} s: {rsp.error}")
+            return int(rsp.ID)
+
+        return self._unary("lease_grant", grant)
 
     def lease_revoke(self, lease_id: int, *, budget: float | None = None) -> None:
         """Revoke the lease and delete its keys. A lease already gone is not an error."""
