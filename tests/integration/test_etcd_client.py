@@ -197,9 +197,10 @@ def test_a_granted_lease_has_the_id_the_client_chose_and_a_second_grant_of_it_is
         lease = client.lease_grant(5)
         assert 0 < lease < 2**62
         assert client.lease_grant(5) != lease
-        stub = etcdrpc.LeaseStub(grpc.insecure_channel(etcd1.endpoints[0]))
-        with pytest.raises(grpc.RpcError) as refused:
-            stub.LeaseGrant(etcdrpc.LeaseGrantRequest(TTL=5, ID=lease), timeout=5)
+        with grpc.insecure_channel(etcd1.endpoints[0]) as channel:
+            stub = etcdrpc.LeaseStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.LeaseGrant(etcdrpc.LeaseGrantRequest(TTL=5, ID=lease), timeout=5)
         details = refused.value.details() or ""
         assert earlier_grant_applied(2, details), details
         assert client.lease_time_to_live(lease) > 0
