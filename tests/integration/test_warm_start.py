@@ -1132,7 +1132,16 @@ record = {
 }
 with open(os.environ["E2E_OUT"], "a") as f:
     f.write(json.dumps(record) + "\n")
-sys.exit(1 if attempt == 0 and rank == 1 else 0)
+if attempt == 0 and rank == 1:
+    # Fail only once rank 0 has written its record: the agent stops rank 0 as soon as
+    # rank 1 fails, and a cold rank 0 still scanning /proc would never write it.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with open(os.environ["E2E_OUT"]) as f:
+            if '"rank": 0,' in f.read():  # a substring: a line being written may be cut
+                break
+        time.sleep(0.02)
+    sys.exit(1)
 """
 
 
