@@ -292,10 +292,10 @@ class WarmPool:
             self._disabled_why = warm.failed
             stopped = [w for slot in self._slots.values() for w in slot]
             self._slots = {}
-        for other in {id(w): w for w in [warm, *stopped]}.values():
-            other.discard()
         if first:
             log.info("warm start: off for this agent, workers start cold (%s)", warm.failed)
+        for other in {id(w): w for w in [warm, *stopped]}.values():
+            other.discard()
 
     def _died_again(self, local_rank: int, warm: _Warm) -> bool:
         """An interpreter died while importing without saying why: drop it, and say
