@@ -66,7 +66,12 @@ class Joins:
             t.join(max(deadline - time.monotonic(), 0.0))
         alive = [t.name for t in self.threads if t.is_alive()]
         if alive:
-            raise AssertionError(f"next_rendezvous() still blocked after {timeout} s: {alive}")
+            # What the others ended with often says why these still wait.
+            ended = {i: o.error or "ok" for i, o in self.outcomes.items()}
+            raise AssertionError(
+                f"next_rendezvous() still blocked after {timeout} s: {alive}; "
+                f"the others ended with {ended!r}"
+            )
         self.threads.clear()
         return self.outcomes
 

@@ -120,6 +120,7 @@ def test_backoff_grows_to_the_cap_and_jitters_in_the_upper_half() -> None:
         (Code.UNAVAILABLE, "failed to connect to all addresses", ec.RETRY),
         (Code.UNAVAILABLE, "etcdserver: leader changed", ec.RETRY),
         (Code.DEADLINE_EXCEEDED, "Deadline Exceeded", ec.RETRY),
+        (Code.UNKNOWN, "context deadline exceeded", ec.RETRY),
         (Code.UNAUTHENTICATED, "etcdserver: invalid auth token", ec.REAUTH),
         (Code.INVALID_ARGUMENT, "etcdserver: revision of auth store is old", ec.REAUTH),
         (

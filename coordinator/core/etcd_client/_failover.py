@@ -79,6 +79,12 @@ def classify_status(code: Any, details: str) -> str:
         return AUTH_DISABLED
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return RETRY
+    if "context deadline exceeded" in text:
+        # The member ran out of our deadline itself (e.g. a linearizable read while the
+        # cluster elects a new leader) and etcd 3.5 sends that as UNKNOWN: the same
+        # unknown outcome as our own DEADLINE_EXCEEDED, so the same retry on the next
+        # member (measured: a member killed mid-rendezvous failed two joins with it).
+        return RETRY
     if "too many requests" in text:
         # etcd refused the request before proposing it (its apply loop is far behind
         # its commits, e.g. a thousand nodes joining at once): not applied, so safe to
