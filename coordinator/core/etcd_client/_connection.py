@@ -159,9 +159,13 @@ class _Connection:
         # keep-alive takes a member that answers other calls as slow, not hung.
         self._heard = [-math.inf] * len(config.endpoints)
 
-    def _heard_from(self, index: int) -> None:
-        """Note that member ``index`` answered (a reply or an error status from etcd)."""
-        self._heard[index] = self._clock()
+    def _answered_by(self, index: int) -> float:
+        """Member ``index`` answered (a reply, or an error status from etcd itself): noted
+        for the keep-alive's hang rule and told to the observer. Returns the time."""
+        now = self._clock()
+        self._heard[index] = now
+        self._observed.answered(now)
+        return now
 
     def last_heard(self, index: int) -> float:
         """When member ``index`` last answered anything on this client (monotonic)."""
@@ -278,14 +282,9 @@ class _Connection:
         """Report one failed attempt; an error status other than a connection failure
         is an answer from etcd too (the member is up and said no)."""
         code, details = _status(exc)
-        answered = classify_status(code, details) != RETRY
-        if answered:
-            self._heard_from(index)
-        observed = self._observed
-        if observed.enabled:
-            observed.attempt_failed(method, _code_name(code))
-            if answered:
-                observed.answered(self._clock())
+        self._observed.attempt_failed(method, _code_name(code))
+        if classify_status(code, details) != RETRY:
+            self._answered_by(index)
 
     def _observing(
         self, method: str, attempt: Callable[[int, float], T]
@@ -299,8 +298,7 @@ class _Connection:
             except grpc.RpcError as exc:
                 self._observe_failure(method, index, exc)
                 raise
-            self._heard_from(index)
-            self._observed.answered(self._clock())
+            self._answered_by(index)
             return result
 
         return observed

@@ -111,9 +111,9 @@ class KeepAlive:
             lease_id, ttl, client._clock() if granted_at is None else granted_at
         )
         self._call: Any = None
-        # The first stream after a grant needs no probe: the grant's answer is etcd's
-        # fresh word on the lease, over a channel that just worked.
-        self._probe_first = granted_at is None
+        # Whether the next stream opens with a probe: every one but the first after a
+        # grant, whose answer is etcd's fresh word on the lease over a channel that works.
+        self._probe_next = granted_at is None
         self._quiet = False  # a failure was logged since the last answer: log the rest at debug
         self._thread: threading.Thread | None = None
         # Where the stream last got an answer (None while reconnecting), for diagnostics.
@@ -243,8 +243,7 @@ class KeepAlive:
 
     def _on_answer(self, index: int, rsp: Any) -> bool:
         """One keep-alive answer; False once the lease is lost (the stream is done)."""
-        self._client._heard_from(index)
-        now = self._client._clock()
+        now = self._client._answered_by(index)
         with self._lock:
             sent_at = self._liveness.oldest_unanswered()
             change = self._liveness.answered(now, int(rsp.TTL))
@@ -252,7 +251,6 @@ class KeepAlive:
         observed = self._client._observed
         if sent_at is not None:
             observed.keepalive_answered(now - sent_at)
-        observed.answered(now)
         self._report(change)
         return not self._lost.is_set()
 
@@ -269,9 +267,7 @@ class KeepAlive:
         if self._stop.is_set():
             future.cancel()
         rsp = future.result()
-        now = clock()
-        self._client._heard_from(index)
-        self._client._observed.answered(now)
+        now = self._client._answered_by(index)
         with self._lock:
             change = self._liveness.probed(now, sent_at, int(rsp.TTL))
             self._quiet = False
@@ -291,7 +287,7 @@ class KeepAlive:
         try:
             # Authenticating (with its own failover) is bounded like one interval's wait.
             metadata = client._metadata(self._interval)
-            probe, self._probe_first = self._probe_first, True
+            probe, self._probe_next = self._probe_next, True
             if probe and not self._probe(index, metadata):
                 return _Attempt(RETRY, metadata, True)
             call = client._channels.stubs(index).lease.LeaseKeepAlive(
@@ -317,7 +313,7 @@ class KeepAlive:
                     "lease_keepalive", NO_ANSWER if done.is_set() else _code_name(code)
                 )
                 if kind != RETRY:
-                    client._observed.answered(client._clock())  # an error status, from etcd
+                    client._answered_by(index)  # an error status, from etcd
             if kind == NOT_FOUND and "lease not found" in details.lower():
                 with self._lock:
                     change = self._liveness.not_found(client._clock(), details)

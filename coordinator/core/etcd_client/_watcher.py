@@ -207,8 +207,7 @@ class _Watcher:
             self._opened(call, requests)
             observed = client._observed
             for response in call:
-                client._heard_from(index)
-                observed.answered(client._clock())
+                client._answered_by(index)
                 if not answered:
                     answered = True
                     self._answered(name)
