@@ -1427,19 +1427,24 @@ def test_interpreters_that_keep_dying_while_importing_turn_warm_starts_off(
         release.write_text("")
 
 
-def test_a_deferred_refill_waits_while_a_ready_interpreter_is_left(
-    harness: Harness, tmp_path: Path
-) -> None:
+def _full_pool_of_two(harness: Harness, tmp_path: Path) -> tuple[WarmPool, WorkerLaunch]:
+    """A pool two deep for local rank 0 of the exit:0 probe, both interpreters ready."""
     write_probe(tmp_path)
     launch = make_launch(tmp_path / "runs" / "w", 0, build_argv("src/probe.py", ["exit:0"]),
                          base_env())  # fmt: skip
     pool = harness.pool([], depth=2)
     pool.refill({0: (launch.argv, launch.env)})
-    wait_ready(pool, [0])
     deadline = time.monotonic() + READY_WITHIN
     while len(warm_pids(pool, 0)) < 2 or pool.ready_count(0) < 2:
         assert time.monotonic() < deadline, "the pool did not fill"
         time.sleep(0.05)
+    return pool, launch
+
+
+def test_a_deferred_refill_waits_while_a_ready_interpreter_is_left(
+    harness: Harness, tmp_path: Path
+) -> None:
+    pool, launch = _full_pool_of_two(harness, tmp_path)
     group = harness.start([launch], pool=pool, cwd=tmp_path)  # takes one: one is left
     assert len(warm_pids(pool, 0)) == 1
     pool.refill({0: (launch.argv, launch.env)}, defer=2.0)
@@ -1466,15 +1471,7 @@ def test_a_pool_closed_during_a_deferred_refill_starts_nothing_after(
     # The worst moment for the deferral: the agent stops (a signal, the run closed) while a
     # refill waits. The timer fires later into a closed pool: no interpreter may start then,
     # since nothing would ever reap it.
-    write_probe(tmp_path)
-    launch = make_launch(tmp_path / "runs" / "w", 0, build_argv("src/probe.py", ["exit:0"]),
-                         base_env())  # fmt: skip
-    pool = harness.pool([], depth=2)
-    pool.refill({0: (launch.argv, launch.env)})
-    deadline = time.monotonic() + READY_WITHIN
-    while pool.ready_count(0) < 2:
-        assert time.monotonic() < deadline, "the pool did not fill"
-        time.sleep(0.05)
+    pool, launch = _full_pool_of_two(harness, tmp_path)
     group = harness.start([launch], pool=pool, cwd=tmp_path)
     [left] = warm_pids(pool, 0)
     pool.refill({0: (launch.argv, launch.env)}, defer=1.0)
