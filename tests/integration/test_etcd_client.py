@@ -25,9 +25,12 @@ from coordinator.core.errors import EtcdAuthError, EtcdConnectionError, EtcdTLSE
 from coordinator.core.etcd_client import EtcdClient, EtcdConfig, KeyValue
 from coordinator.core.etcd_client._client import earlier_grant_applied
 from coordinator.etcd_server import EtcdCluster, find_etcd_binary, free_port
+from tests.chaos.proxy import Mode, TcpFaultProxy
 from tests.integration.etcd_client_support import (
+    LeaseEvents,
     Recorder,
     _client,
+    _eventually,
 )
 
 # Every thread a test's clients started is gone once they are closed.
@@ -217,6 +220,68 @@ class _FirstEndpoint:
 
     def random(self) -> float:
         return 0.5
+
+
+def _leases_granted(etcd: EtcdCluster) -> float:
+    """etcd's own count of leases it granted (its metrics page)."""
+    text = etcd.members[0].metrics()
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("etcd_debugging_lease_granted_total ")
+    )
+
+
+def test_a_grant_answered_too_late_and_retried_leaves_exactly_one_lease(
+    etcd1: EtcdCluster,
+) -> None:
+    # The worst moment for a grant: etcd applies it but the answer misses the attempt's
+    # deadline. The proxy delays each way by 0.6 s, so the grant is applied at 0.6 s and
+    # answered at 1.2 s, past the 1 s attempt; the retry on the direct endpoint comes
+    # after the first was applied, and must get that lease, not a second one.
+    host, port = etcd1.endpoints[0].rsplit(":", 1)
+    with TcpFaultProxy((host, int(port)), name="late-member") as proxy:
+        endpoints = [proxy.endpoint, etcd1.endpoints[0]]
+        with _client(endpoints, request_timeout=1.0, rng=_FirstEndpoint()) as client:
+            client.get(b"/warm-up")  # the channel through the proxy is up before the delay
+            before = _leases_granted(etcd1)
+            proxy.set_mode(Mode.DELAY, delay=0.6)
+            began = time.monotonic()
+            lease = client.lease_grant(30)
+            took = time.monotonic() - began
+            proxy.set_mode(Mode.PASS)
+            time.sleep(1.5)  # anything still in the proxy has reached etcd
+            assert took >= 1.0, f"the first attempt was answered in time ({took:.2f} s)"
+            assert _leases_granted(etcd1) - before == 1
+            assert client.lease_time_to_live(lease) > 0
+            client.lease_revoke(lease)
+
+
+def test_a_member_silent_from_the_first_keepalive_after_a_grant_loses_no_lease(
+    etcd1: EtcdCluster,
+) -> None:
+    # The first stream after a grant opens without a probe; the worst moment is the member
+    # going silent right then. The stream must move to the next endpoint within an interval
+    # and the lease stay alive: never UNREACHABLE, never LOST.
+    host, port = etcd1.endpoints[0].rsplit(":", 1)
+    with TcpFaultProxy((host, int(port)), name="silent-member") as proxy:
+        endpoints = [proxy.endpoint, etcd1.endpoints[0]]
+        with _client(endpoints, rng=_FirstEndpoint()) as client:
+            events = LeaseEvents()
+            granted_at = time.monotonic()
+            lease = client.lease_grant(3)
+            proxy.set_mode(Mode.BLACKHOLE)
+            keepalive = client.keep_alive(
+                lease, 3, events.on_lost, on_unreachable=events.on_unreachable,
+                on_reachable=events.on_reachable, granted_at=granted_at,
+            )  # fmt: skip
+            try:
+                _eventually(lambda: keepalive.endpoint == etcd1.endpoints[0], timeout=5)
+                time.sleep(3 * 3)  # three TTLs on the other endpoint
+                assert events.lost == [] and events.unreachable == []
+                assert client.lease_time_to_live(lease) > 0
+            finally:
+                keepalive.close(revoke=True)
 
 
 def test_get_fails_over_past_a_dead_first_endpoint(etcd1: EtcdCluster, prefix: bytes) -> None:
