@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
 from coordinator.core.lifeline import Janitor, spawn
-from coordinator.core.ports import free_port
+from coordinator.core.ports import free_port, free_ports
 
 __all__ = [
     "ClusterAddresses",
@@ -56,6 +56,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _STOP_GRACE_S = 5.0
+_START_TRIES = 3
 
 
 class EtcdBinaryNotFoundError(RuntimeError):
@@ -290,14 +291,22 @@ class EtcdCluster(ClusterAddresses[EtcdMember]):
         self.members = [
             EtcdMember(
                 name=f"m{i}",
-                client_port=free_port(),
-                peer_port=free_port(),
+                client_port=0,
+                peer_port=0,
                 data_dir=self.base_dir / f"m{i}",
                 client_scheme="https" if tls else "http",
-                metrics_port=free_port() if tls else None,
             )
             for i in range(size)
         ]
+        self._assign_ports()
+
+    def _assign_ports(self) -> None:
+        """Give every member distinct free ports (client, peer and, with TLS, metrics)."""
+        per_member = 3 if self.tls else 2
+        ports = iter(free_ports(per_member * len(self.members)))
+        for member in self.members:
+            member.client_port, member.peer_port = next(ports), next(ports)
+            member.metrics_port = next(ports) if self.tls else None
 
     # -- addresses ---------------------------------------------------------------------
 
@@ -362,15 +371,28 @@ class EtcdCluster(ClusterAddresses[EtcdMember]):
             return ""
 
     def start(self, timeout: float = 30.0) -> EtcdCluster:
-        """Start every member and wait until each is healthy."""
-        try:
-            self._start_janitor()
-            for member in self.members:
-                self._spawn(member, "new")
-            self.wait_healthy(self.members, timeout)
-        except BaseException:
-            self.stop()
-            raise
+        """Start every member and wait until each is healthy.
+
+        A port taken by another process between our choice and etcd's bind (an outgoing
+        connection may get it from the kernel) is not the user's fault: the members start
+        again, from empty data directories, on new ports, up to three times.
+        """
+        for attempt in range(1, _START_TRIES + 1):
+            try:
+                self._start_janitor()
+                for member in self.members:
+                    self._spawn(member, "new")
+                self.wait_healthy(self.members, timeout)
+                return self
+            except EtcdStartError as exc:
+                self.stop()
+                if "address already in use" not in str(exc) or attempt == _START_TRIES:
+                    raise
+                log.warning("etcd start: %s; trying new ports", exc)
+                self._assign_ports()
+            except BaseException:
+                self.stop()
+                raise
         return self
 
     def _start_janitor(self) -> None:

@@ -61,6 +61,12 @@ def pytest_report_header() -> str:
 
 
 @pytest.fixture(scope="session")
+def etcd_binary() -> Path:
+    """The etcd binary the harness starts (for tests of the harness itself)."""
+    return _test_binary()
+
+
+@pytest.fixture(scope="session")
 def etcd1() -> Iterator[EtcdCluster]:
     """One etcd member for the whole session."""
     with _cluster(1) as cluster:

@@ -7,7 +7,7 @@ with the surface of :class:`coordinator.etcd_server.EtcdCluster` that tests use:
 ``kill(i)``, ``restart(i)``, ``stop()``, and use as a context manager.
 
 Containers use the host's network and listen on 127.0.0.1 only, like the binary harness,
-so ports come from :func:`coordinator.etcd_server.free_port`. testcontainers' reaper (Ryuk)
+so ports come from :func:`coordinator.core.ports.free_ports`. testcontainers' reaper (Ryuk)
 needs an image from a registry, which is not reachable here: it is disabled, and this
 module cleans up itself. ``stop()`` force-removes every container with its volumes, and
 each container carries the pid of the process that started it, so
@@ -23,13 +23,12 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import random
-import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from coordinator.core.ports import free_ports
 from coordinator.etcd_server import (
     ClusterAddresses,
     EtcdStartError,
@@ -60,17 +59,12 @@ _PORT_RANGE = (20000, 32000)
 _START_TRIES = 3
 
 
-def _quiet_port(host: str = "127.0.0.1") -> int:
-    """A port below the ephemeral range that is free on ``host`` now."""
-    for _ in range(200):
-        port = random.randrange(*_PORT_RANGE)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise EtcdStartError(f"no free port in {_PORT_RANGE} on {host} after 200 tries")
+def _quiet_ports(count: int) -> list[int]:
+    """``count`` distinct ports below the ephemeral range, free on loopback now."""
+    try:
+        return free_ports(count, within=_PORT_RANGE)
+    except OSError as exc:
+        raise EtcdStartError(str(exc)) from exc
 
 
 def etcd_mode(env: Mapping[str, str] | None = None, engine_problem: str | None = None) -> str:
@@ -192,8 +186,9 @@ class EtcdContainers(ClusterAddresses[EtcdMemberContainer]):
         self.no_fsync = no_fsync
         self.log_level = log_level
         self.token = f"etcd-elastic-tc-{os.getpid()}-{time.monotonic_ns()}"
+        ports = _quiet_ports(2 * size)
         self.members = [
-            EtcdMemberContainer(name=f"m{i}", client_port=_quiet_port(), peer_port=_quiet_port())
+            EtcdMemberContainer(name=f"m{i}", client_port=ports[2 * i], peer_port=ports[2 * i + 1])
             for i in range(size)
         ]
 
@@ -232,8 +227,9 @@ class EtcdContainers(ClusterAddresses[EtcdMemberContainer]):
                 # A port taken between our choice and etcd's bind: new ports, again.
                 if "address already in use" not in str(exc) or attempt == _START_TRIES:
                     raise
-                for member in self.members:
-                    member.client_port, member.peer_port = _quiet_port(), _quiet_port()
+                ports = _quiet_ports(2 * len(self.members))
+                for i, member in enumerate(self.members):
+                    member.client_port, member.peer_port = ports[2 * i], ports[2 * i + 1]
             except BaseException:
                 self.stop()
                 raise

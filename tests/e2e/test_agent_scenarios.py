@@ -22,6 +22,7 @@ import pytest
 
 from coordinator.core.etcd_client import EtcdClient, EtcdConfig
 from coordinator.core.keys import DEFAULT_KEY_PREFIX, RunKeys
+from coordinator.core.ports import free_ports
 from coordinator.core.state import RdzvState, decode_state
 from coordinator.etcd_server import EtcdCluster, free_port
 from tests.e2e.agents import (
@@ -184,7 +185,7 @@ def test_unreachable_etcd_fails_after_bounded_retries_naming_endpoints(
     agents: Agents, tmp_path: Path
 ) -> None:
     """Scenario 9: two endpoints where nothing listens, read_timeout=3."""
-    endpoints = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    endpoints = [f"127.0.0.1:{p}" for p in free_ports(2)]
     start = time.monotonic()
     agent = agents.start(
         "lonely",

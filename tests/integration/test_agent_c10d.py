@@ -13,7 +13,6 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -28,6 +27,7 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from agent.agent import Agent
 from agent.config import LaunchConfig
+from coordinator.core.ports import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -74,20 +74,13 @@ WORKER = """
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 class Job:
     """Two agents with c10d handlers; always stopped, joined and shut down."""
 
     def __init__(self, tmp_path: Path, run_id: str) -> None:
         self.tmp_path = tmp_path
         self.run_id = run_id
-        self.port = _free_port()
+        self.port = free_port()
         self.handlers: list[RendezvousHandler] = []
         self.agents: list[Agent] = []
         self.threads: list[threading.Thread] = []
@@ -281,7 +274,7 @@ def test_signal_stops_agent_with_128_plus_signum(
     # "rendezvous": the agent waits for a second node that never comes.
     nodes = "2" if phase == "rendezvous" else "1"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    argv = [sys.executable, str(driver), str(_free_port()), run_id, nodes, str(script)]
+    argv = [sys.executable, str(driver), str(free_port()), run_id, nodes, str(script)]
     proc = subprocess.Popen([*argv, str(tmp_path)], env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None

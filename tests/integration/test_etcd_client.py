@@ -24,6 +24,7 @@ from etcd3 import etcdrpc
 from coordinator.core.errors import EtcdAuthError, EtcdConnectionError, EtcdTLSError
 from coordinator.core.etcd_client import EtcdClient, EtcdConfig, KeyValue
 from coordinator.core.etcd_client._client import earlier_grant_applied
+from coordinator.core.ports import free_ports
 from coordinator.etcd_server import EtcdCluster, find_etcd_binary, free_port
 from tests.chaos.proxy import Mode, TcpFaultProxy
 from tests.integration.etcd_client_support import (
@@ -295,7 +296,7 @@ def test_get_fails_over_past_a_dead_first_endpoint(etcd1: EtcdCluster, prefix: b
 
 
 def test_all_endpoints_dead_raises_naming_them_within_the_budget() -> None:
-    dead = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    dead = [f"127.0.0.1:{p}" for p in free_ports(2)]
     with _client(dead, request_timeout=0.5, retry_budget=1.0, rng=_FirstEndpoint()) as client:
         began = time.monotonic()
         with pytest.raises(EtcdConnectionError) as info:
@@ -416,7 +417,7 @@ def _make_pki(d: Path, name: str) -> None:
 
 @contextlib.contextmanager
 def _tls_etcd(d: Path) -> Iterator[str]:
-    port, peer = free_port(), free_port()
+    port, peer = free_ports(2)
     url = f"https://127.0.0.1:{port}"
     argv = [
         str(find_etcd_binary()), "--name", "tls", "--data-dir", str(d / "data"),

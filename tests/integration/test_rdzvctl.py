@@ -19,8 +19,9 @@ import pytest
 
 from coordinator.core.etcd_client import EtcdClient
 from coordinator.core.keys import RunKeys
+from coordinator.core.ports import free_ports
 from coordinator.core.state import NodeInfo, encode_node
-from coordinator.etcd_server import EtcdCluster, free_port
+from coordinator.etcd_server import EtcdCluster
 from coordinator.rdzvctl import run_command
 from coordinator.rdzvctl.cli import parse_args
 from coordinator.rdzvctl.model import RunSnapshot
@@ -318,7 +319,7 @@ def test_console_bad_argument_is_one_line_and_exit_2() -> None:
 
 
 def test_unreachable_etcd_exits_3_naming_the_endpoints() -> None:
-    endpoints = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    endpoints = ",".join(f"127.0.0.1:{p}" for p in free_ports(2))
     started = time.monotonic()
     done = subprocess.run(
         [str(RDZVCTL), "status", "job", f"--endpoints={endpoints}", "--read-timeout=1"],
