@@ -240,6 +240,15 @@ def wait_members_healthy(
             time.sleep(poll)
 
 
+def _process_state(pid: int) -> str:
+    """The state letter of ``/proc/<pid>/stat`` (``T``: stopped); "" if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rpartition(")")[2].split()[0]
+
+
 class ClusterAddresses(Generic[M]):
     """``endpoints`` and ``endpoint_list`` of any set of members (processes, containers)."""
 
@@ -418,6 +427,27 @@ class EtcdCluster(ClusterAddresses[EtcdMember]):
         if member.process is not None and member.process.poll() is None:
             member.process.kill()
             member.process.wait()
+
+    def freeze(self, index: int, timeout: float = 5.0) -> None:
+        """SIGSTOP one member (a stalled disk, a paused VM): its sockets stay open, it
+        answers nothing until :meth:`thaw`. Returns once the kernel says it is stopped
+        (a signal is delivered asynchronously: just after the kill, it may still run)."""
+        member = self.members[index]
+        process = member.process
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        while _process_state(process.pid) not in ("T", "t", "", "Z"):
+            if time.monotonic() > deadline:
+                raise EtcdStartError(f"etcd member {member.name} did not stop in {timeout} s")
+            time.sleep(0.005)
+
+    def thaw(self, index: int) -> None:
+        """SIGCONT a member :meth:`freeze` stopped."""
+        member = self.members[index]
+        if member.process is not None and member.process.poll() is None:
+            member.process.send_signal(signal.SIGCONT)
 
     def restart(self, index: int | Sequence[int], timeout: float = 30.0) -> None:
         """Start members again with their data, together (after a whole-cluster stop no

@@ -4,7 +4,7 @@
 image (built offline by ``scripts/build_images``) and returns an :class:`EtcdContainers`
 with the surface of :class:`coordinator.etcd_server.EtcdCluster` that tests use:
 ``endpoints``, ``endpoint_list``, ``members`` (``healthy()``, ``metrics()``),
-``kill(i)``, ``restart(i)``, ``stop()``, and use as a context manager.
+``kill(i)``, ``restart(i)``, ``freeze(i)``, ``thaw(i)``, ``stop()``, and use as a context manager.
 
 Containers use the host's network and listen on 127.0.0.1 only, like the binary harness,
 so ports come from :func:`coordinator.core.ports.free_ports`. testcontainers' reaper (Ryuk)
@@ -259,6 +259,18 @@ class EtcdContainers(ClusterAddresses[EtcdMemberContainer]):
         if member.running:
             member.container.get_wrapped_container().kill()
 
+    def freeze(self, index: int) -> None:
+        """Pause one member (the cgroup freezer: like SIGSTOP, its sockets stay open)."""
+        member = self.members[index]
+        if member.running:
+            member.container.get_wrapped_container().pause()
+
+    def thaw(self, index: int) -> None:
+        """Resume a member :meth:`freeze` paused."""
+        member = self.members[index]
+        if member.container is not None:
+            member.container.get_wrapped_container().unpause()
+
     def restart(self, index: int, timeout: float = 30.0) -> None:
         """Start a killed member's container again, with its data."""
         member = self.members[index]
@@ -272,6 +284,8 @@ class EtcdContainers(ClusterAddresses[EtcdMemberContainer]):
             if member.container is None:
                 continue
             wrapped = member.container.get_wrapped_container()
+            with contextlib.suppress(Exception):  # not paused (the usual case)
+                wrapped.unpause()
             with contextlib.suppress(Exception):  # already gone or never started
                 wrapped.stop(timeout=_STOP_GRACE_S)
             with contextlib.suppress(Exception):

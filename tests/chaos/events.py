@@ -25,6 +25,9 @@ step_s, endpoints, etcd}
     The agent's etcd proxies switched mode (pass, blackhole, delay, reset).
 ``etcd_killed`` {member, role} / ``etcd_started`` {member}
     An etcd member was SIGKILLed (``role`` leader or follower) / is healthy again.
+``etcd_frozen`` {member, role} / ``etcd_thawed`` {member}
+    An etcd member was SIGSTOPped (it keeps its sockets open and answers nothing) /
+    SIGCONTed.
 ``compacted`` {revision} / ``defragmented`` {member}
 ``fault_start`` {index, kind, target, other, duration, delay, inner, removes_node,
 disruptive, pids}

@@ -222,17 +222,19 @@ class FaultRunner:
             finally:
                 self.fleet.set_mode(slot, Mode.PASS)
         elif kind in ("etcd_leader_kill", "etcd_follower_kill"):
-            leader = self.etcd.leader()
-            if leader is None:
-                raise HarnessError("no etcd member says it leads")
-            followers = [i for i in range(len(self.etcd.cluster.members)) if i != leader]
-            follower = kind == "etcd_follower_kill"
-            victim = followers[fault.follower % len(followers)] if follower else leader
-            self.etcd.kill(victim, "follower" if follower else "leader")
+            victim, role = self._member(fault, follower=kind == "etcd_follower_kill")
+            self.etcd.kill(victim, role)
             try:
                 yield
             finally:
                 self.etcd.restart(victim)
+        elif kind in ("etcd_leader_freeze", "etcd_follower_freeze"):
+            victim, role = self._member(fault, follower=kind == "etcd_follower_freeze")
+            self.etcd.freeze(victim, role)
+            try:
+                yield
+            finally:
+                self.etcd.thaw(victim)
         elif kind == "etcd_cluster_restart":
             self.etcd.kill_all()
             try:
@@ -242,6 +244,16 @@ class FaultRunner:
         else:
             raise HarnessError(f"{kind} is not a fault that can be held")
 
+    def _member(self, fault: Fault, *, follower: bool) -> tuple[int, str]:
+        """The etcd member a fault hits, and its role: the leader, or the fault's follower."""
+        leader = self.etcd.leader()
+        if leader is None:
+            raise HarnessError("no etcd member says it leads")
+        if not follower:
+            return leader, "leader"
+        followers = [i for i in range(len(self.etcd.cluster.members)) if i != leader]
+        return followers[fault.follower % len(followers)], "follower"
+
     def _held(self, fault: Fault) -> None:
         with self._hold(fault.kind, fault):
             self.wait(fault.duration)
@@ -249,6 +261,7 @@ class FaultRunner:
     _agent_sigstop = _agent_sigstop_short = _agent_partition = _held
     _agent_net_delay = _agent_net_reset = _held
     _etcd_leader_kill = _etcd_follower_kill = _etcd_cluster_restart = _held
+    _etcd_leader_freeze = _etcd_follower_freeze = _held
 
     # -- instant faults ----------------------------------------------------------------------
 

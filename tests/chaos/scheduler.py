@@ -56,6 +56,8 @@ _KINDS = (
     KindSpec("worker_sigkill", Effect.RESTART, "SIGKILL one worker of one agent"),
     KindSpec("etcd_follower_kill", Effect.NONE, "SIGKILL an etcd follower, restart it later"),
     KindSpec("etcd_leader_kill", Effect.NONE, "SIGKILL the etcd leader, restart it later"),
+    KindSpec("etcd_leader_freeze", Effect.NONE, "SIGSTOP the etcd leader, SIGCONT later"),
+    KindSpec("etcd_follower_freeze", Effect.NONE, "SIGSTOP an etcd follower, SIGCONT later"),
     KindSpec("etcd_cluster_restart", Effect.NONE, "every etcd member down, then back"),
     KindSpec("agent_partition", Effect.NODE_LOSS, "one agent's etcd links blackholed past TTL"),
     KindSpec("agent_net_delay", Effect.NONE, "latency on one agent's etcd links"),
@@ -73,6 +75,7 @@ ALL_KINDS: tuple[str, ...] = tuple(CATALOGUE)
 # join is the only membership change (and the checker can tell what caused what).
 NEWCOMER_DURING = (
     "etcd_leader_kill",
+    "etcd_leader_freeze",
     "etcd_cluster_restart",
     "agent_net_delay",
     "agent_sigstop_short",
@@ -101,8 +104,8 @@ class Fault:
         delay: added latency of ``agent_net_delay``, seconds.
         inner: the other fault a ``newcomer`` arrives during, or the second fault of a
             ``formation_fault``; else "".
-        follower: which follower ``etcd_follower_kill`` kills (0 or 1, in member order
-            among the followers at that time).
+        follower: which follower ``etcd_follower_kill`` kills or ``etcd_follower_freeze``
+            freezes (0 or 1, in member order among the followers at that time).
     """
 
     index: int
@@ -139,6 +142,9 @@ def _durations(kind: str, rng: random.Random, ttl: float) -> tuple[float, float]
         return rng.uniform(0.2, ttl / 3), 0.0  # keep-alives get through on either side
     if kind in ("etcd_follower_kill", "etcd_leader_kill"):
         return rng.uniform(1.0, 3.0), 0.0
+    if kind in ("etcd_follower_freeze", "etcd_leader_freeze"):
+        # Past the TTL too: a client that waits on a frozen member loses its lease.
+        return rng.uniform(1.0, 2 * ttl), 0.0
     if kind == "etcd_cluster_restart":
         return rng.uniform(ttl, 3 * ttl), 0.0  # the issue's target: 3 x TTL costs nothing
     return 0.0, 0.0
@@ -169,7 +175,7 @@ def _one(index: int, kind: str, rng: random.Random, n_agents: int, ttl: float) -
         duration=round(duration, 3),
         delay=round(delay, 3),
         inner=inner,
-        follower=rng.randrange(2) if kind == "etcd_follower_kill" else 0,
+        follower=rng.randrange(2) if kind in ("etcd_follower_kill", "etcd_follower_freeze") else 0,
     )
 
 

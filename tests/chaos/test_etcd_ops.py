@@ -1,9 +1,11 @@
 """The harness's etcd faults on a real 3-member cluster: leader found, members killed and
-brought back from their data, the whole cluster down and up, compaction twice."""
+brought back from their data, the leader frozen and thawed, the whole cluster down and up,
+compaction twice."""
 
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +37,29 @@ def test_leader_kill_and_restart(ops: EtcdOps, tmp_path: Path) -> None:
     assert ops.leader() is not None
     events = [(e["event"], e["member"]) for e in read_history(tmp_path / "h.jsonl")]
     assert events == [("etcd_killed", leader), ("etcd_started", leader)]
+
+
+def test_a_frozen_leader_is_replaced_and_comes_back_as_a_member(
+    ops: EtcdOps, tmp_path: Path
+) -> None:
+    leader = ops.leader()
+    assert leader is not None
+    ops.freeze(leader, "leader")
+    try:
+        assert ops.cluster.members[leader].running  # stopped, not gone
+        assert not ops.cluster.members[leader].healthy(timeout=0.5)
+        deadline = time.monotonic() + 20
+        while ops.leader() in (None, leader):
+            assert time.monotonic() < deadline, "no other member took over in 20 s"
+            time.sleep(0.1)
+    finally:
+        ops.thaw(leader)
+    deadline = time.monotonic() + 20
+    while not ops.cluster.members[leader].healthy(timeout=1.0):
+        assert time.monotonic() < deadline, "the thawed member is not healthy after 20 s"
+        time.sleep(0.1)
+    events = [(e["event"], e["member"]) for e in read_history(tmp_path / "h.jsonl")]
+    assert events == [("etcd_frozen", leader), ("etcd_thawed", leader)]
 
 
 def test_whole_cluster_down_and_back_from_its_data(ops: EtcdOps) -> None:

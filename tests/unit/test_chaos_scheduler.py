@@ -77,8 +77,10 @@ def test_durations_and_targets_fit_their_kind(ttl: float) -> None:
             assert f.inner in NEWCOMER_DURING, f
         if f.kind == "formation_fault":
             assert f.inner in FORMATION_SECOND, f
-        if f.kind == "etcd_follower_kill":
+        if f.kind in ("etcd_follower_kill", "etcd_follower_freeze"):
             assert f.follower in (0, 1), f
+        if f.kind in ("etcd_follower_freeze", "etcd_leader_freeze"):
+            assert 1.0 <= f.duration <= 2 * ttl, f
         record = f.to_json()
         assert record["removes_node"] is CATALOGUE[f.kind].removes_node
         assert record["disruptive"] is CATALOGUE[f.kind].disruptive
