@@ -3,6 +3,7 @@ confirmation, the shared stream, compaction and resuming after a member dies."""
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -203,3 +204,84 @@ def test_watch_resumes_without_loss_or_duplicates_after_its_member_is_killed(
         assert client.lease_time_to_live(lease) > 0
         keepalive.close()
         assert client.lease_time_to_live(lease) == -1
+
+
+def test_a_watch_leaves_a_frozen_member_without_a_keepalive_to_tell_it(
+    fresh_cluster3: EtcdCluster, prefix: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A SIGSTOPped member keeps its sockets open and answers nothing: the watch stream
+    asks it for progress, hears nothing, and resumes on the next member, long before
+    gRPC's own keepalive (15 s + 5 s) would notice. This client has no lease, so no
+    keep-alive on another member tells it anything."""
+    caplog.set_level(logging.INFO, "coordinator.core.etcd_client")
+    cluster = fresh_cluster3
+    interval = 1.0
+    with _client(cluster.endpoints, request_timeout=interval) as client:
+        start = client.put(prefix + b"k0", b"0")
+        rec = Recorder()
+        client.watch(prefix, start, rec.on_events, rec.on_compacted, prefix=True)
+        rec.wait(lambda r: len(r.events) == 1)
+        victim = client.watch_endpoint
+        assert victim is not None
+        others = [e for e in cluster.endpoints if e != victim]
+        cluster.freeze(cluster.endpoints.index(victim))
+        try:
+            frozen_at = time.monotonic()
+            with _client(others, retry_budget=20.0) as writer:
+                writer.put(prefix + b"k1", b"1")  # after a new election if it led
+            rec.wait(lambda r: len(r.events) == 2, timeout=20)
+            took = time.monotonic() - frozen_at
+            moved_to = client.watch_endpoint
+        finally:
+            cluster.thaw(cluster.endpoints.index(victim))
+        print(f"\nfrozen member -> the event through another member: {took:.2f} s")
+        # A put the writer retried (its first attempt hung on the frozen leader, then was
+        # applied) is two events of k1: nothing is lost or delivered twice.
+        assert {e.kv.key for e in rec.events} == {prefix + b"k0", prefix + b"k1"}
+        revisions = [e.kv.mod_revision for e in rec.events]
+        assert revisions == sorted(set(revisions))
+        assert moved_to in others
+        # Silent for an interval, asked, silent for one more: about 2-3 intervals.
+        assert took < 4 * interval + 2, f"the watch left the frozen member after {took:.1f} s"
+        assert f"etcd watch stream to {victim} broke: no answer for" in caplog.text
+        assert "not to a progress request either; resuming on the next member" in caplog.text
+
+
+class _Heard:
+    """An observer that counts what the client heard and which streams broke."""
+
+    def __init__(self) -> None:
+        self.answers = 0
+        self.failed: list[tuple[str, str]] = []
+
+    def call_done(self, method: str, seconds: float, failed: bool) -> None:
+        pass
+
+    def attempt_failed(self, method: str, code: str) -> None:
+        self.failed.append((method, code))
+
+    def keepalive_answered(self, seconds: float) -> None:
+        pass
+
+    def answered(self, at: float) -> None:
+        self.answers += 1
+
+
+def test_an_idle_watch_on_a_live_member_is_probed_and_stays_put(
+    etcd1: EtcdCluster, prefix: bytes
+) -> None:
+    """A watch with nothing to report for ten intervals: etcd answers every progress
+    request, and the stream stays where it is (no break, no lost event)."""
+    heard = _Heard()
+    config = EtcdConfig(endpoints=tuple(etcd1.endpoints), request_timeout=0.3)
+    with EtcdClient(config, observer=heard) as client:
+        rec = Recorder()
+        watch = client.watch(prefix, 0, rec.on_events, rec.on_compacted, prefix=True)
+        watch.wait_created()
+        before = heard.answers
+        threading.Event().wait(3.0)  # ten intervals of silence
+        probes_answered = heard.answers - before
+        client.put(prefix + b"k", b"v")
+        rec.wait(lambda r: len(r.events) == 1)
+        assert heard.failed == []
+        assert 3 <= probes_answered <= 12, probes_answered

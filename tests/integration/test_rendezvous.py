@@ -196,6 +196,34 @@ def test_killing_one_etcd_member_mid_rendezvous_still_completes(
     assert sorted(i.rank for i in infos.values()) == [0, 1, 2]
 
 
+def test_freezing_one_etcd_member_mid_rendezvous_still_completes_in_seconds(
+    fresh_cluster3: EtcdCluster, run_id: str, handlers: list[EtcdRendezvousHandler]
+) -> None:
+    """A SIGSTOPped member (a paused VM) keeps its sockets open and answers nothing. The
+    waiting nodes' watches must leave it to see the third node and the completing commit:
+    before watches probed a silent member, this took over 20 s (TTL 3 s)."""
+    handlers += [make_handler(fresh_cluster3, run_id, 3, 3) for _ in range(3)]
+    joins = Joins(handlers).start([0, 1])
+    nodes = f"/etcd-elastic/{run_id}/nodes/".encode()
+    with EtcdClient(EtcdConfig(endpoints=tuple(fresh_cluster3.endpoints))) as client:
+        deadline = time.monotonic() + 30
+        while client.count_prefix(nodes)[0] < 2:  # both wait, watching
+            assert time.monotonic() < deadline, "two nodes did not join in 30 s"
+            time.sleep(0.05)
+    fresh_cluster3.freeze(0)
+    try:
+        frozen_at = time.monotonic()
+        joins.start([2])
+        infos = joins.infos(timeout=60)
+        took = time.monotonic() - frozen_at
+    finally:
+        fresh_cluster3.thaw(0)
+    print(f"\nmember frozen -> the round complete on every node: {took:.2f} s")
+    assert sorted(i.rank for i in infos.values()) == [0, 1, 2]
+    # About two request timeouts (1.5 s at TTL 3) to leave the member, once per client.
+    assert took < 15, f"the round completed {took:.1f} s after the member froze"
+
+
 def test_old_store_rounds_are_removed_when_a_round_completes(
     etcd1: EtcdCluster, run_id: str, handlers: list[EtcdRendezvousHandler]
 ) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from coordinator.core.etcd_client import LeaseState, Outage
 from coordinator.core.etcd_client._client import earlier_grant_applied
-from coordinator.core.etcd_client._liveness import Change, Liveness
+from coordinator.core.etcd_client._liveness import Change, Liveness, Probe, watch_probe
 
 ALIVE, UNREACHABLE, LOST = LeaseState.ALIVE, LeaseState.UNREACHABLE, LeaseState.LOST
 FAILED, CLOSED = LeaseState.FAILED, LeaseState.CLOSED
@@ -193,3 +193,22 @@ def test_a_retried_grant_answered_already_exists_is_our_lease(
     attempt: int, details: str, ours: bool
 ) -> None:
     assert earlier_grant_applied(attempt, details) is ours
+
+
+# -- watch_probe: a watch stream's member, silent ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("now", "heard", "probe_sent", "expected"),
+    [
+        (10.9, 10.0, None, Probe.WAIT),  # silent for less than an interval
+        (11.0, 10.0, None, Probe.SEND),  # an interval: ask for progress
+        (11.5, 10.0, 11.0, Probe.WAIT),  # asked; the answer may still come
+        (12.0, 10.0, 11.0, Probe.HUNG),  # asked an interval ago: nothing at all
+        (12.0, 11.2, 11.0, Probe.WAIT),  # answered (anything heard after the probe)
+        (12.3, 11.2, 11.0, Probe.SEND),  # answered, then silent an interval again
+        (50.0, 49.5, 11.0, Probe.WAIT),  # an old probe answered long ago counts for nothing
+    ],
+)
+def test_watch_probe(now: float, heard: float, probe_sent: float | None, expected: Probe) -> None:
+    assert watch_probe(now, heard, probe_sent, interval=1.0) is expected

@@ -17,7 +17,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass
 
-__all__ = ["Change", "LeaseState", "Liveness", "Outage"]
+__all__ = ["Change", "LeaseState", "Liveness", "Outage", "Probe", "watch_probe"]
 
 
 class LeaseState(enum.Enum):
@@ -221,3 +221,33 @@ class Liveness:
         self.lost_reason = reason
         self._unanswered.clear()
         return Change(state, silence)
+
+
+class Probe(enum.Enum):
+    """What a watch stream does about a silent member (:func:`watch_probe`)."""
+
+    WAIT = "wait"
+    SEND = "send"  # a progress request: etcd answers it at once with its revision
+    HUNG = "hung"  # leave the member: reopen the stream on the next one
+
+
+def watch_probe(now: float, heard: float, probe_sent: float | None, interval: float) -> Probe:
+    """The rule that keeps a watch stream off a frozen member.
+
+    A watch stream is silent while nothing changes, so silence alone proves nothing; a
+    member that is stopped (a paused VM, a SIGSTOP) keeps its sockets open and would hold
+    every watch of the client, unnoticed until gRPC's keepalive gives up many seconds
+    later. So once the member has said nothing on this client for ``interval`` (since
+    ``heard``: any answer counts, a keep-alive's too), the stream sends a progress request;
+    if nothing comes back within another ``interval`` either, the member is hung.
+
+    Args:
+        now: the current time.
+        heard: when the member last answered anything on this client (or the stream
+            opened, if later).
+        probe_sent: when the last progress request went out (None: none yet).
+        interval: how long a member may stay silent, each time.
+    """
+    if probe_sent is not None and heard < probe_sent:
+        return Probe.HUNG if now - probe_sent >= interval else Probe.WAIT
+    return Probe.SEND if now - heard >= interval else Probe.WAIT

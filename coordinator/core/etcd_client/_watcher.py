@@ -27,7 +27,8 @@ from coordinator.core.etcd_client._failover import (
     tls_mismatch,
     unreachable,
 )
-from coordinator.core.etcd_client._observer import STREAM_ENDED
+from coordinator.core.etcd_client._liveness import Probe, watch_probe
+from coordinator.core.etcd_client._observer import NO_ANSWER, STREAM_ENDED
 from coordinator.core.etcd_client._watch import _event, _watch_error, _WatchState
 from coordinator.core.threads import ThreadDied, start_guarded
 
@@ -47,12 +48,7 @@ class _Attempt(NamedTuple):
     answered: bool  # etcd answered at least once (resets the backoff)
 
 
-def _queue_iter(requests: queue.SimpleQueue[Any]) -> Iterator[Any]:
-    while True:
-        item = requests.get()
-        if item is None:
-            return
-        yield item
+_PROGRESS = etcdrpc.WatchRequest(progress_request=etcdrpc.WatchProgressRequest())
 
 
 class _Watcher:
@@ -79,6 +75,9 @@ class _Watcher:
         self._tried: list[str] = []
         self._last_failure: tuple[str, Any, str] | None = None
         self._quiet = False  # a break was logged since the last answer: the rest at debug
+        # Seconds the stream's member had said nothing when the stream left it as hung
+        # (set by the request side, read by the thread when the cancelled call ends).
+        self._hung_after: float | None = None
         # Endpoints whose last failure was a TLS mismatch certain to repeat, since the
         # stream last got an answer: once it is every endpoint, unconfirmed watches end.
         self._tls_refused: set[str] = set()
@@ -202,7 +201,7 @@ class _Watcher:
         try:
             metadata = client._metadata()
             call = client._channels.stubs(index).watch.Watch(
-                _queue_iter(requests), metadata=_stream_metadata(metadata)
+                self._requests_to(index, requests), metadata=_stream_metadata(metadata)
             )
             self._opened(call, requests)
             observed = client._observed
@@ -217,6 +216,13 @@ class _Watcher:
                 observed.attempt_failed("watch", STREAM_ENDED)
             return _Attempt(RETRY, metadata, answered)
         except grpc.RpcError as exc:
+            with self._cond:
+                hung_after, self._hung_after = self._hung_after, None
+            if hung_after is not None and not self._closed:
+                client._observed.attempt_failed("watch", NO_ANSWER)
+                why = f"no answer for {hung_after:.1f} s, not to a progress request either"
+                self._broke(name, why)
+                return _Attempt(RETRY, metadata, answered)
             code, details = _status(exc)
             if not self._closed:
                 client._observed.attempt_failed("watch", _code_name(code))
@@ -239,6 +245,43 @@ class _Watcher:
                 self._by_id.clear()
                 for state in self._watches:
                     state.server_id = None
+
+    def _requests_to(self, index: int, requests: queue.SimpleQueue[Any]) -> Iterator[Any]:
+        """What the stream to member ``index`` sends: the queued requests, and a progress
+        request whenever the member has been silent for a while (:func:`watch_probe`); a
+        member silent to that too is left (the call is cancelled, the thread moves on).
+        Runs on gRPC's request thread of the call, so probing costs no thread of ours."""
+        client = self._client
+        interval = client.config.request_timeout
+        opened = client._clock()
+        probe_sent: float | None = None
+        while True:
+            try:
+                item = requests.get(timeout=interval / 2)
+            except queue.Empty:
+                now = client._clock()
+                heard = max(client.last_heard(index), opened)
+                step = watch_probe(now, heard, probe_sent, interval)
+                if step is Probe.SEND:
+                    probe_sent = now
+                    yield _PROGRESS
+                elif step is Probe.HUNG and self._leave_hung(requests, now - heard):
+                    return
+                continue
+            if item is None:
+                return
+            yield item
+
+    def _leave_hung(self, requests: queue.SimpleQueue[Any], silent_for: float) -> bool:
+        """Cancel the call of the stream fed by ``requests``: its member is hung. False if
+        that call is not (or no longer) the open one."""
+        with self._cond:
+            call = self._call
+            if call is None or self._requests is not requests or self._closed:
+                return False
+            self._hung_after = silent_for
+        call.cancel()
+        return True
 
     def _opened(self, call: Any, requests: queue.SimpleQueue[Any]) -> None:
         with self._cond:
