@@ -36,6 +36,9 @@ from tests.chaos.tail import HistoryTail
 __all__ = ["FaultRunner", "Timing"]
 
 
+_FREEZES = ("etcd_leader_freeze", "etcd_follower_freeze")
+
+
 @dataclass(frozen=True)
 class Timing:
     """The runner's bounds, in seconds."""
@@ -221,20 +224,14 @@ class FaultRunner:
                 yield
             finally:
                 self.fleet.set_mode(slot, Mode.PASS)
-        elif kind in ("etcd_leader_kill", "etcd_follower_kill"):
-            victim, role = self._member(fault, follower=kind == "etcd_follower_kill")
-            self.etcd.kill(victim, role)
+        elif kind in ("etcd_leader_kill", "etcd_follower_kill", *_FREEZES):
+            victim, role = self._member(fault, follower=kind.startswith("etcd_follower"))
+            pause = kind in _FREEZES
+            (self.etcd.freeze if pause else self.etcd.kill)(victim, role)
             try:
                 yield
             finally:
-                self.etcd.restart(victim)
-        elif kind in ("etcd_leader_freeze", "etcd_follower_freeze"):
-            victim, role = self._member(fault, follower=kind == "etcd_follower_freeze")
-            self.etcd.freeze(victim, role)
-            try:
-                yield
-            finally:
-                self.etcd.thaw(victim)
+                (self.etcd.thaw if pause else self.etcd.restart)(victim)
         elif kind == "etcd_cluster_restart":
             self.etcd.kill_all()
             try:

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -223,6 +224,18 @@ class _FirstEndpoint:
         return 0.5
 
 
+@contextlib.contextmanager
+def _behind_a_proxy(
+    etcd: EtcdCluster, name: str, **options: Any
+) -> Iterator[tuple[TcpFaultProxy, EtcdClient]]:
+    """A client whose first endpoint is a fault proxy of member 0, the second member 0."""
+    host, port = etcd.endpoints[0].rsplit(":", 1)
+    with TcpFaultProxy((host, int(port)), name=name) as proxy:
+        endpoints = [proxy.endpoint, etcd.endpoints[0]]
+        with _client(endpoints, rng=_FirstEndpoint(), **options) as client:
+            yield proxy, client
+
+
 def _leases_granted(etcd: EtcdCluster) -> float:
     """etcd's own count of leases it granted (its metrics page)."""
     text = etcd.members[0].metrics()
@@ -240,22 +253,19 @@ def test_a_grant_answered_too_late_and_retried_leaves_exactly_one_lease(
     # deadline. The proxy delays each way by 0.6 s, so the grant is applied at 0.6 s and
     # answered at 1.2 s, past the 1 s attempt; the retry on the direct endpoint comes
     # after the first was applied, and must get that lease, not a second one.
-    host, port = etcd1.endpoints[0].rsplit(":", 1)
-    with TcpFaultProxy((host, int(port)), name="late-member") as proxy:
-        endpoints = [proxy.endpoint, etcd1.endpoints[0]]
-        with _client(endpoints, request_timeout=1.0, rng=_FirstEndpoint()) as client:
-            client.get(b"/warm-up")  # the channel through the proxy is up before the delay
-            before = _leases_granted(etcd1)
-            proxy.set_mode(Mode.DELAY, delay=0.6)
-            began = time.monotonic()
-            lease = client.lease_grant(30)
-            took = time.monotonic() - began
-            proxy.set_mode(Mode.PASS)
-            time.sleep(1.5)  # anything still in the proxy has reached etcd
-            assert took >= 1.0, f"the first attempt was answered in time ({took:.2f} s)"
-            assert _leases_granted(etcd1) - before == 1
-            assert client.lease_time_to_live(lease) > 0
-            client.lease_revoke(lease)
+    with _behind_a_proxy(etcd1, "late-member", request_timeout=1.0) as (proxy, client):
+        client.get(b"/warm-up")  # the channel through the proxy is up before the delay
+        before = _leases_granted(etcd1)
+        proxy.set_mode(Mode.DELAY, delay=0.6)
+        began = time.monotonic()
+        lease = client.lease_grant(30)
+        took = time.monotonic() - began
+        proxy.set_mode(Mode.PASS)
+        time.sleep(1.5)  # anything still in the proxy has reached etcd
+        assert took >= 1.0, f"the first attempt was answered in time ({took:.2f} s)"
+        assert _leases_granted(etcd1) - before == 1
+        assert client.lease_time_to_live(lease) > 0
+        client.lease_revoke(lease)
 
 
 def test_a_member_silent_from_the_first_keepalive_after_a_grant_loses_no_lease(
@@ -264,25 +274,22 @@ def test_a_member_silent_from_the_first_keepalive_after_a_grant_loses_no_lease(
     # The first stream after a grant opens without a probe; the worst moment is the member
     # going silent right then. The stream must move to the next endpoint within an interval
     # and the lease stay alive: never UNREACHABLE, never LOST.
-    host, port = etcd1.endpoints[0].rsplit(":", 1)
-    with TcpFaultProxy((host, int(port)), name="silent-member") as proxy:
-        endpoints = [proxy.endpoint, etcd1.endpoints[0]]
-        with _client(endpoints, rng=_FirstEndpoint()) as client:
-            events = LeaseEvents()
-            granted_at = time.monotonic()
-            lease = client.lease_grant(3)
-            proxy.set_mode(Mode.BLACKHOLE)
-            keepalive = client.keep_alive(
-                lease, 3, events.on_lost, on_unreachable=events.on_unreachable,
-                on_reachable=events.on_reachable, granted_at=granted_at,
-            )  # fmt: skip
-            try:
-                _eventually(lambda: keepalive.endpoint == etcd1.endpoints[0], timeout=5)
-                time.sleep(3 * 3)  # three TTLs on the other endpoint
-                assert events.lost == [] and events.unreachable == []
-                assert client.lease_time_to_live(lease) > 0
-            finally:
-                keepalive.close(revoke=True)
+    with _behind_a_proxy(etcd1, "silent-member") as (proxy, client):
+        events = LeaseEvents()
+        granted_at = time.monotonic()
+        lease = client.lease_grant(3)
+        proxy.set_mode(Mode.BLACKHOLE)
+        keepalive = client.keep_alive(
+            lease, 3, events.on_lost, on_unreachable=events.on_unreachable,
+            on_reachable=events.on_reachable, granted_at=granted_at,
+        )  # fmt: skip
+        try:
+            _eventually(lambda: keepalive.endpoint == etcd1.endpoints[0], timeout=5)
+            time.sleep(3 * 3)  # three TTLs on the other endpoint
+            assert events.lost == [] and events.unreachable == []
+            assert client.lease_time_to_live(lease) > 0
+        finally:
+            keepalive.close(revoke=True)
 
 
 def test_get_fails_over_past_a_dead_first_endpoint(etcd1: EtcdCluster, prefix: bytes) -> None:
