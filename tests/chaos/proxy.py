@@ -202,7 +202,7 @@ class TcpFaultProxy:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                stop, mode, delay = self._stop, self._mode, self._delay
+                stop, mode = self._stop, self._mode
             if stop:
                 return
             if mode is Mode.RESET:
@@ -213,6 +213,11 @@ class TcpFaultProxy:
             self._register(mode)
             events = self._sel.select(self._timeout(mode, now))
             now = time.monotonic()
+            # The delay as of now, not of this turn's start: a chunk that arrived after
+            # set_mode() returned must get the new delay even when the select woke for
+            # it and for the mode change in one batch (or the wake was lost).
+            with self._lock:
+                delay = self._delay
             for key, mask in events:
                 if key.data == "listen":
                     self._accept()

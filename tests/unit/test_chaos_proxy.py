@@ -144,6 +144,31 @@ def test_delay_adds_latency_each_way_and_keeps_order(proxy: TcpFaultProxy) -> No
     assert 0.5 <= took < 3.0, f"round trip took {took:.3f} s through two 0.25 s delays"
 
 
+class _DeafProxy(TcpFaultProxy):
+    """A proxy whose thread is never woken by a mode change: it learns of one only when
+    traffic (or its longest wait) wakes it, as when the wake and the data land in one
+    batch of the selector's events."""
+
+    def _wake(self) -> None:
+        pass
+
+
+def test_a_chunk_sent_after_set_mode_gets_the_new_delay_even_in_the_same_wakeup(
+    echo: tuple[str, int],
+) -> None:
+    # CI failure: the delay was read at the start of the loop's turn, so a request sent
+    # right after set_mode(DELAY) could go out undelayed (a 1.2 s round trip took 0.6 s).
+    with _DeafProxy(echo, name="deaf-proxy") as p, _connect(p) as sock:
+        sock.sendall(b"w")
+        assert _recv_exactly(sock, 1) == b"w"  # the thread is back in its select
+        p.set_mode(Mode.DELAY, 0.3)
+        start = time.monotonic()
+        sock.sendall(b"d")
+        assert _recv_exactly(sock, 1) == b"d"
+        took = time.monotonic() - start
+    assert took >= 0.6, f"round trip took {took:.3f} s through two 0.3 s delays"
+
+
 def test_reset_resets_open_connections_and_new_ones_until_pass(proxy: TcpFaultProxy) -> None:
     with _connect(proxy) as old:
         old.sendall(b"x")
