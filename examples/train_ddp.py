@@ -21,7 +21,7 @@ changes the membership; ``--report`` appends one JSON line per worker and attemp
 the step's collectives and before it reports the step: what etcdrun's ``--hang-timeout``
 detects.
 
-Every step ends with ``report_progress(global_step)`` (``agent.progress``): one line that
+Every step ends with ``report_progress(global_step)`` (``etcd_elastic.progress``): one line that
 lets ``etcdrun --hang-timeout`` notice a worker that is alive but stuck. Without etcdrun
 (or without etcd-elastic installed) it does nothing.
 """
@@ -47,7 +47,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
 try:
-    from agent.progress import pause_progress, report_progress
+    from etcd_elastic import pause_progress, report_progress
 except ImportError:  # run without etcd-elastic installed: progress goes nowhere
 
     def report_progress(step: int) -> None:

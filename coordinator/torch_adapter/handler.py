@@ -458,6 +458,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
         view.offer_written(commit.state, commit.revision)
         return True
 
+    can_quarantine = True
+    """Ours keeps quarantined nodes out of the rounds (:meth:`quarantine`)."""
+
     @property
     def drain_requested(self) -> bool:
         """Whether an operator asked this node to leave (``rdzvctl drain``), from the

@@ -1,7 +1,7 @@
 """What an etcd client tells an observer: its calls, failed attempts, keep-alives, answers.
 
 The client reports to one optional :class:`EtcdObserver` (the agent's Prometheus metrics
-implement it, ``agent/metrics.py``; the core imports no metrics library). Reports are
+implement it, ``agent/observe/metrics.py``; the core imports no metrics library). Reports are
 made on the thread that did the work (a caller's, the keep-alive thread, the watch
 thread), with no lock of the client held, after the RPC: an observer must be quick and
 must not block. One that raises is logged once and then ignored, never allowed to cost a
