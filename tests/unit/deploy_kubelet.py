@@ -107,7 +107,7 @@ def trainer_container(runtime: Mapping[str, Any], train_job: Mapping[str, Any]) 
     for var in trainer.get("env", []):
         _upsert(container["env"], dict(var))
     name = train_job["metadata"]["name"]
-    injected = [
+    injected: list[dict[str, Any]] = [
         {"name": "PET_NNODES", "value": str(trainer.get("numNodes", policy.get("numNodes", 1)))},
         {
             "name": "PET_NPROC_PER_NODE",

@@ -261,7 +261,8 @@ def _schema_folder() -> Any:
 @functools.cache
 def _registry() -> Registry:
     definitions = json.loads((_schema_folder() / "_definitions.json").read_text())
-    return Resource.from_contents(definitions) @ Registry()  # type: ignore[no-any-return]
+    registry: Registry = Resource.from_contents(definitions) @ Registry()
+    return registry
 
 
 def _core_schema(api_version: str, kind: str) -> dict[str, Any] | None:
