@@ -2,47 +2,31 @@
 
 Every ``torchrun`` flag is accepted in both spellings (``--nproc-per-node`` and
 ``--nproc_per_node``) with the same meaning, and, as in torchrun, a ``PET_<FLAG>``
-environment variable supplies a flag's default (``PET_NPROC_PER_NODE=2``). Flags that
-have no meaning here are accepted and ignored with a warning, so a torchrun command line
-works unchanged.
+environment variable supplies a flag's default (``PET_NPROC_PER_NODE=2``; a flag on the
+command line wins). Flags that have no meaning here are accepted and ignored with a
+warning, so a torchrun command line works unchanged.
 
 Every value is checked before anything starts (no etcd, no worker): a bad one ends the
 program with exit code 2 and one line, ``etcdrun: error: <flag>: <what is wrong and what
-to do>``.
+to do>`` (``<flag> (from PET_<FLAG>)`` when the value came from the environment).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import logging
 import os
 import signal
 import sys
-import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from agent.cli import devices
-from agent.cli.parser import IGNORED_FLAGS, build_parser
-from agent.cli.values import (
-    UsageError,
-    parse_hang_timeout,
-    parse_metrics,
-    parse_modules,
-    parse_nnodes,
-    parse_ranks_filter,
-    parse_rdzv_conf,
-    parse_seconds,
-    parse_signal,
-    parse_std_map,
-    parse_whole,
-)
+from agent.cli.configure import BACKENDS, build_config, timeout_findings, warn_ignored
+from agent.cli.parser import build_parser, from_environment
+from agent.cli.values import UsageError
 from agent.config import LaunchConfig
-from coordinator.core.errors import ConfigError
-from coordinator.core.keys import validate_run_id
-from coordinator.core.settings import RendezvousSettings, parse_endpoints
 from coordinator.etcd_server import EtcdBinaryNotFoundError, EtcdStartError
 
 if TYPE_CHECKING:
@@ -51,285 +35,6 @@ if TYPE_CHECKING:
 __all__ = ["BACKENDS", "UsageError", "build_parser", "main", "parse_args"]
 
 log = logging.getLogger(__name__)
-
-BACKENDS = ("etcd-v2", "etcd-v3")
-"""Accepted ``--rdzv-backend`` names; both mean this project's etcd v3 rendezvous."""
-
-# Stands in for the embedded etcd's endpoint, which exists only once it has started,
-# when --standalone settings are validated.
-_STANDALONE_PLACEHOLDER = "127.0.0.1:2379"
-
-
-def _settings_error(exc: ConfigError) -> UsageError:
-    """Name the flag behind a coordinator settings error."""
-    text = str(exc)
-    for prefix, flag in (
-        ("rdzv_endpoint ", "--rdzv-endpoint"),
-        ("rdzv_id ", "--rdzv-id"),
-        ("rdzv_conf has ", "--rdzv-conf"),
-        ("rdzv_conf ", "--rdzv-conf"),
-    ):
-        if text.startswith(prefix):
-            reason = text[len(prefix) :]
-            if flag == "--rdzv-endpoint" and "give" not in reason:
-                reason += "; give the etcd members as host:port[,host:port...]"
-            return UsageError(flag, reason)
-    flag, sep, rest = text.partition(": ")
-    if sep and flag.startswith("--"):
-        return UsageError(flag, rest)
-    return UsageError("--rdzv-conf", text)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Parameters:
-    """What the settings read of torch's ``RendezvousParameters``, without importing torch
-    (seconds): a bad command line ends before torch is loaded."""
-
-    run_id: str
-    endpoint: str
-    min_nodes: int
-    max_nodes: int
-    local_addr: str | None
-    config: dict[str, Any]
-
-
-def _check_rendezvous(config: LaunchConfig) -> None:
-    """Validate endpoint, run id and rdzv_conf exactly as the coordinator will."""
-    endpoint = _STANDALONE_PLACEHOLDER if config.standalone else config.rdzv_endpoint
-    try:
-        parse_endpoints(endpoint)
-        validate_run_id(config.rdzv_id)
-        RendezvousSettings.from_parameters(
-            _Parameters(
-                run_id=config.rdzv_id,
-                endpoint=endpoint,
-                min_nodes=config.min_nodes,
-                max_nodes=config.max_nodes,
-                local_addr=config.local_addr,
-                config=dict(config.rdzv_conf),
-            )
-        )
-    except ConfigError as exc:
-        raise _settings_error(exc) from None
-
-
-def _check_script(ns: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
-    script: str | None = ns.training_script
-    if not script:
-        raise UsageError(
-            "script",
-            "missing; give the training script and its arguments after the options, "
-            "e.g. etcdrun --nproc-per-node=2 train.py --epochs 3",
-        )
-    if ns.module and ns.no_python:
-        raise UsageError("--no-python", "cannot be combined with -m/--module; drop one of them")
-    if (ns.run_path or not (ns.module or ns.no_python)) and not os.path.isfile(script):
-        raise UsageError(
-            "script",
-            f"{script!r} does not exist (relative to {os.getcwd()}); give the path of the "
-            "training script, or -m for a module, or --no-python for a program",
-        )
-    return script, tuple(ns.training_script_args)
-
-
-def _warn_ignored(ns: argparse.Namespace) -> None:
-    for dest, (flag, default, why) in IGNORED_FLAGS.items():
-        value = getattr(ns, dest)
-        if value not in (default, None, [], ""):
-            log.warning("%s=%r is accepted for torchrun compatibility and ignored: %s",
-                        flag, value, why)  # fmt: skip
-    if ns.node_rank not in ("0", 0):
-        log.warning("--node-rank is only used by torch's static rendezvous; ignored here")
-
-
-# -- parse ---------------------------------------------------------------------------------
-
-
-def scheduler_run_id(environ: Mapping[str, str]) -> str | None:
-    """A run id every node of one scheduled job derives alike, or None outside one.
-
-    Slurm: ``slurm-<SLURM_JOB_ID>[.<SLURM_STEP_ID>]``: the job id is kept when Slurm
-    requeues the job (a retry finds its run), and the step id keeps two ``srun`` steps of
-    one allocation apart.
-    """
-    job, step = environ.get("SLURM_JOB_ID", "").strip(), environ.get("SLURM_STEP_ID", "").strip()
-    if not job:
-        return None
-    candidate = f"slurm-{job}" + (f".{step}" if step else "")
-    try:
-        return validate_run_id(candidate)
-    except ConfigError:
-        return None
-
-
-def _run_id(given: str, standalone: bool, max_nodes: int, environ: Mapping[str, str]) -> str | None:
-    """The run id to use; None: a multi-node job without one (refused)."""
-    if given not in ("none", ""):
-        return given
-    if standalone or max_nodes == 1:
-        # One node: nobody else joins, so a random id cannot split a job, and two such
-        # jobs on one etcd never meet.
-        return str(uuid.uuid4())
-    derived = scheduler_run_id(environ)
-    if derived is not None:
-        log.info("no --rdzv-id: run id %s from the scheduler's environment", derived)
-    return derived
-
-
-def _missing_run_id(max_nodes: int) -> UsageError:
-    return UsageError(
-        "--rdzv-id",
-        f"missing; a job of up to {max_nodes} nodes needs a run id that all its nodes share "
-        "and no other job uses (two jobs without one would share a run): give e.g. "
-        "--rdzv-id=job42 (under Slurm, SLURM_JOB_ID gives one)",
-    )
-
-
-def _config(
-    ns: argparse.Namespace,
-    cuda_device_count: Callable[[], int],
-    cpu_count: Callable[[], int],
-    environ: Mapping[str, str],
-) -> LaunchConfig:
-    min_nodes, max_nodes = parse_nnodes(ns.nnodes)
-    try:
-        nproc = devices.resolve_nproc(
-            ns.nproc_per_node, cuda_device_count=cuda_device_count, cpu_count=cpu_count
-        )
-    except ValueError as exc:
-        raise UsageError("--nproc-per-node", str(exc)) from None
-    backend = ns.rdzv_backend.strip().lower()
-    if backend not in BACKENDS:
-        raise UsageError(
-            "--rdzv-backend",
-            f"{ns.rdzv_backend!r} is not supported; use etcd-v2 or etcd-v3 "
-            "(both are this project's etcd v3 rendezvous)",
-        )
-    endpoint = ns.rdzv_endpoint.strip()
-    standalone = bool(ns.standalone)
-    if standalone and endpoint:
-        raise UsageError(
-            "--standalone",
-            f"starts its own etcd, so --rdzv-endpoint={endpoint} makes no sense with it; "
-            "drop one of the two",
-        )
-    if not standalone and not endpoint:
-        if max_nodes > 1:
-            raise UsageError(
-                "--rdzv-endpoint",
-                f"missing; a job of up to {max_nodes} nodes needs a shared etcd: give "
-                "--rdzv-endpoint=host:port[,host:port...], or --standalone for one node",
-            )
-        # torchrun runs a one-node job without any rendezvous flag; so do we, on an
-        # embedded etcd.
-        standalone = True
-    if standalone and max_nodes > 1:
-        raise UsageError(
-            "--nnodes",
-            f"--standalone runs one node but --nnodes={ns.nnodes} allows {max_nodes}; "
-            "drop --standalone and give --rdzv-endpoint of an etcd all nodes can reach",
-        )
-    run_id = _run_id(ns.rdzv_id.strip(), standalone, max_nodes, environ)
-    master_port = ns.master_port
-    master_addr = ns.master_addr
-    local_addr = ns.local_addr
-    for flag, value in (("--master-addr", master_addr), ("--local-addr", local_addr)):
-        if value is not None and not value.strip():
-            raise UsageError(flag, "is empty; give a host name or IP address")
-    if not ns.role.strip():
-        raise UsageError("--role", "the role name is empty; give one, e.g. trainer")
-    config = LaunchConfig(
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        nproc_per_node=nproc,
-        entrypoint="",
-        rdzv_backend=backend,
-        rdzv_endpoint=endpoint,
-        rdzv_id=run_id or "none",
-        rdzv_conf=parse_rdzv_conf(ns.rdzv_conf),
-        standalone=standalone,
-        local_addr=local_addr,
-    )
-    _check_rendezvous(config)
-    if not run_id:
-        raise _missing_run_id(max_nodes)
-    shutdown = ns.shutdown_timeout
-    config = dataclasses.replace(
-        config,
-        max_restarts=parse_whole(
-            "--max-restarts", ns.max_restarts, low=0, what="0 or more restarts"
-        ),
-        monitor_interval=parse_seconds("--monitor-interval", ns.monitor_interval, zero_ok=False),
-        exit_barrier_timeout=parse_seconds(
-            "--exit-barrier-timeout", ns.exit_barrier_timeout, zero_ok=True
-        ),
-        stop_grace_period=(
-            config.stop_grace_period
-            if shutdown is None
-            else parse_seconds("--shutdown-timeout", shutdown, zero_ok=True)
-        ),
-        drain_signal=(
-            None if ns.drain_signal is None else parse_signal("--drain-signal", ns.drain_signal)
-        ),
-        hang_timeout=None if ns.hang_timeout is None else parse_hang_timeout(ns.hang_timeout),
-        role=ns.role.strip(),
-        log_dir=ns.log_dir or None,
-        redirects=parse_std_map("--redirects", ns.redirects, nproc),
-        tee=parse_std_map("--tee", ns.tee, nproc),
-        local_ranks_filter=parse_ranks_filter(ns.local_ranks_filter),
-        node_rank=parse_whole("--node-rank", ns.node_rank, low=0, what="0 or more"),
-        master_addr=master_addr.strip() if master_addr else None,
-        master_port=(
-            None
-            if master_port is None
-            else parse_whole("--master-port", master_port, low=1, high=65535, what="a port 1-65535")
-        ),
-    )
-    metrics_port, metrics_addr = parse_metrics(ns.metrics_port, ns.metrics_addr)
-    config = dataclasses.replace(config, metrics_port=metrics_port, metrics_addr=metrics_addr)
-    config = _health_check(config, ns)
-    if ns.start_method not in ("spawn", "fork", "forkserver"):
-        raise UsageError("--start-method", f"{ns.start_method!r} is not spawn, fork or forkserver")
-    entrypoint, args = _check_script(ns)
-    return dataclasses.replace(
-        config,
-        start_method=ns.start_method,
-        module=bool(ns.module),
-        no_python=bool(ns.no_python),
-        run_path=bool(ns.run_path),
-        warm_start=not ns.no_warm_start,
-        warm_modules=parse_modules("--warm-modules", ns.warm_modules),
-        warm_pool_size=parse_whole(
-            "--warm-pool-size", ns.warm_pool_size, low=0, high=64, what="0 to 64"
-        ),
-        entrypoint=entrypoint,
-        args=args,
-    )
-
-
-def _health_check(config: LaunchConfig, ns: argparse.Namespace) -> LaunchConfig:
-    """The pre-flight check's flags; its timing flags mean nothing without it."""
-    timeout, quarantine = ns.health_check_timeout, ns.quarantine_seconds
-    if not ns.health_check:
-        for flag, value in (("--health-check-timeout", timeout),
-                            ("--quarantine-seconds", quarantine)):  # fmt: skip
-            if value is not None:
-                raise UsageError(flag, "has no effect without --health-check; add --health-check")
-        return config
-    return dataclasses.replace(
-        config,
-        health_check=True,
-        health_check_timeout=(
-            config.health_check_timeout
-            if timeout is None
-            else parse_seconds("--health-check-timeout", timeout, zero_ok=False)
-        ),
-        quarantine_seconds=(
-            config.quarantine_seconds
-            if quarantine is None
-            else parse_seconds("--quarantine-seconds", quarantine, zero_ok=False)
-        ),
-    )
 
 
 def parse_args(
@@ -363,16 +68,25 @@ def parse_args(
     parser = build_parser(environ=environ)
     ns = parser.parse_args(list(argv))
     try:
-        config = _config(
+        config = build_config(
             ns,
             device_count or devices.cuda_device_count,
             cpu_count or devices.cpu_count,
             os.environ if environ is None else environ,
         )
+        findings = timeout_findings(config)
+        refused = [f for f in findings if f.refuse]
+        if refused:
+            first = refused[0].first
+            raise UsageError(first if first.startswith("--") else "--rdzv-conf", refused[0].line)
     except UsageError as exc:
-        parser.error(str(exc))
+        variable = from_environment(ns, exc.flag)
+        where = exc.flag if variable is None else f"{exc.flag} (from {variable})"
+        parser.error(f"{where}: {exc.reason}")
     # Logged only now: a bad command line prints nothing but its one error line.
-    _warn_ignored(ns)
+    warn_ignored(ns)
+    for finding in findings:  # none refused: only warnings are left
+        log.warning("%s (docs/timeouts.md)", finding.line)
     if config.standalone and not ns.standalone:
         log.info("no --rdzv-endpoint for a one-node job: running as --standalone")
     return config

@@ -50,6 +50,7 @@ from typing import Any, Literal, Protocol
 from coordinator.core.errors import ConfigError
 from coordinator.core.etcd_client import EtcdConfig
 from coordinator.core.keys import DEFAULT_KEY_PREFIX, RunKeys, validate_key_prefix, validate_run_id
+from coordinator.core.timeouts import Spans, nesting
 
 __all__ = [
     "IGNORED_CONF_KEYS",
@@ -317,6 +318,9 @@ class RendezvousSettings:
                 f"rdzv_conf lease_ttl={self.lease_ttl!r} must be between 1 and "
                 f"{_MAX_LEASE_TTL} seconds"
             )
+        for finding in nesting(self.spans()):
+            if finding.refuse:  # the risky ones are etcdrun's to warn about, once
+                raise ConfigError(f"rdzv_conf {finding.line}")
         if not (
             isinstance(self.retention, (int, float))
             and math.isfinite(self.retention)
@@ -433,6 +437,17 @@ class RendezvousSettings:
             user=user,
             password=password,
             password_file=password_file,
+        )
+
+    def spans(self) -> Spans:
+        """The timeouts these settings hold, for :func:`coordinator.core.timeouts.nesting`."""
+        return Spans(
+            join_timeout=self.join_timeout,
+            last_call_timeout=self.last_call_timeout,
+            store_timeout=self.store_timeout,
+            lease_ttl=self.lease_ttl,
+            min_nodes=self.min_nodes,
+            max_nodes=self.max_nodes,
         )
 
     @property

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import agent.cli.etcdrun as cli
+from agent.cli.configure import scheduler_run_id
 from agent.cli.etcdrun import main, parse_args
 from agent.config import LaunchConfig
 
@@ -376,7 +377,7 @@ def test_a_run_id_comes_from_slurm_or_is_random_for_one_node() -> None:
     one = _parse(["--nnodes=1", "--rdzv-endpoint=h", "train.py"], environ={})
     two = _parse(["--nnodes=1", "--rdzv-endpoint=h", "train.py"], environ={})
     assert one.rdzv_id != two.rdzv_id and len(one.rdzv_id) == 36
-    assert cli.scheduler_run_id({"SLURM_JOB_ID": "x/y"}) is None  # not a valid run id
+    assert scheduler_run_id({"SLURM_JOB_ID": "x/y"}) is None  # not a valid run id
 
 
 def test_drain_signal_takes_a_name_or_a_number(capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
+from agent.cli.etcdrun import parse_args
+from agent.config import LaunchConfig
 from tests.unit.deploy_kubelet import (
     command_line,
     pytorchjob_env,
@@ -53,6 +55,13 @@ def _run(argv: list[str], env: dict[str, str], folder: Path) -> dict[str, Any]:
     return call
 
 
+def _etcdrun_config(call: dict[str, Any]) -> LaunchConfig:
+    """What the real etcdrun makes of the recorded command line and environment."""
+    return parse_args(
+        call["argv"], device_count=lambda: 0, cpu_count=lambda: 4, environ=call["env"]
+    )
+
+
 def _trainjob_node(train_job: dict[str, Any], index: int, folder: Path) -> dict[str, Any]:
     container = trainer_container(_load("trainer/cluster-training-runtime.yaml"), train_job)
     name = train_job["metadata"]["name"]
@@ -82,15 +91,21 @@ def test_a_trainjob_node_gets_the_runtime_flags_and_the_trainers_sizes(
         "--epochs",
         "5",
     ]
-    # PET_MASTER_ADDR/PORT (pod 0's name, 29500: torchrun's static rendezvous) are gone:
-    # group rank 0 can be any pod and publishes its own address.
     assert pet_variables(call["env"]) == {
         "PET_NNODES": "4",
         "PET_NPROC_PER_NODE": "1",
         "PET_NODE_RANK": str(index),
+        "PET_MASTER_ADDR": "job42-node-0-0.job42",
+        "PET_MASTER_PORT": "29500",
         "PET_RDZV_ID": "job42",
         "PET_RDZV_CONF": "lease_ttl=5",
     }
+    # PET_MASTER_ADDR/PORT (pod 0's name, 29500: torchrun's static rendezvous) mean
+    # nothing to an elastic rendezvous: etcdrun itself ignores them, so group rank 0
+    # (any pod) publishes its own address.
+    config = _etcdrun_config(call)
+    assert (config.master_addr, config.master_port) == (None, None)
+    assert (config.min_nodes, config.max_nodes, config.rdzv_id) == (2, 4, "job42")
 
 
 def test_a_trainjob_without_args_runs_the_runtimes_script_sized_by_pet_variables(
@@ -108,9 +123,13 @@ def test_a_trainjob_without_args_runs_the_runtimes_script_sized_by_pet_variables
         "PET_NNODES": "2",
         "PET_NPROC_PER_NODE": "auto",
         "PET_NODE_RANK": "1",
+        "PET_MASTER_ADDR": "tiny-node-0-0.tiny",
+        "PET_MASTER_PORT": "29500",
         "PET_RDZV_ID": "tiny",
         "PET_RDZV_CONF": "lease_ttl=5",
     }
+    config = _etcdrun_config(call)
+    assert (config.min_nodes, config.max_nodes, config.master_addr) == (2, 2, None)
 
 
 def test_a_trainjob_can_switch_the_agents_to_tls_through_its_env(tmp_path: Path) -> None:
