@@ -146,6 +146,14 @@ def _default_single_process_env() -> None:
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
 
 
+def started_warm() -> bool:
+    """Whether this worker began as one of etcdrun's warm interpreters (Linux only)."""
+    try:
+        return b"warm_process" in Path("/proc/self/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def _env_int(name: str, default: int = 0) -> int:
     return int(os.environ.get(name, default))
 
@@ -312,6 +320,12 @@ def main(argv: list[str] | None = None) -> None:
                     "start_epoch": start_epoch,
                     "pid": os.getpid(),
                     "time": time.time(),
+                    "device": str(device),
+                    "backend": backend,
+                    # A worker started from the agent's warm pool was an interpreter that
+                    # had imported torch before it became this worker (docs/warm-start.md):
+                    # only the kernel's command line still says so.
+                    "warm": started_warm(),
                     "env": {name: os.environ.get(name) for name in TORCHRUN_ENV},
                 },
             )
