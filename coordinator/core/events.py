@@ -167,8 +167,11 @@ def event_id(event: Event) -> str:
     ``joined/<node>/<n>`` and ``departed/<node>/<n>`` (n: the create revision of the node's
     key, which a re-join changes), ``round_completed/<round>``,
     ``restarted/<node>/<restart count>``, ``closed/<incarnation>``,
-    ``health_checked/<node>/<round>``, and for the rest
-    ``<kind>/<node or run>/<unix ms>``.
+    ``health_checked/<node>/<round>``, ``fault/<node>/<cause>-<round>`` (a hang is
+    declared once per round, a node quarantined once per round's check: two nodes that
+    record the same fault write one key), and ``drain_requested/<node>/<n>`` (n: the
+    revision of the drain's write; the writer's wall-clock milliseconds when it has none).
+    No id holds a wall time that two writers of one fact would not share.
     """
     kind = event.kind
     node = event.node_id or "run"
@@ -182,7 +185,9 @@ def event_id(event: Event) -> str:
         return f"{kind}/{event.incarnation}"
     if kind == "health_checked":
         return f"{kind}/{node}/{event.round}"
-    return f"{kind}/{node}/{event.unix_ms}"
+    if kind == "fault":
+        return f"{kind}/{node}/{event.cause or 'unspecified'}-{event.round}"
+    return f"{kind}/{node}/{event.revision or event.unix_ms}"
 
 
 def encode_event(event: Event) -> bytes:

@@ -16,8 +16,9 @@ close_timeout       30         seconds to wait for the others when closing
 read_timeout        60         retry budget of one etcd call, failover included
 timeout             900        default timeout of blocking Store get/wait (torchrun sets it)
 lease_ttl           5          seconds a dead node keeps its key (whole number, 1-600)
-retention           7200       seconds etcd keeps the state of a run an agent closed
-                               (finished or failed) before removing it; 0: until gc
+retention           7200       seconds etcd keeps a run's keys (state, store, events)
+                               after its last agent left, closed or not (at least
+                               2 x lease_ttl); 0: until rdzvctl gc
 events_limit        5000       events kept in the run's timeline (10-1000000); the
                                oldest beyond it are deleted
 key_prefix          /etcd-elastic   etcd folder holding every run

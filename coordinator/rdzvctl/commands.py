@@ -133,11 +133,22 @@ def _list(client: EtcdClient, opts: Options, out: _Out) -> int:
     return EXIT_OK
 
 
+def _bind_run_lease(client: EtcdClient, keys: RunKeys) -> None:
+    """Write as the run's agents do: onto the run's lease, if it has one (its keys then
+    go with it, ``retention`` after its last agent left); else kept until gc."""
+    from coordinator.core.run_lease import existing_run_lease
+
+    lease = existing_run_lease(client, keys)
+    if lease:
+        client.bind_prefix(keys.run_prefix, lease)
+
+
 def _close(client: EtcdClient, opts: Options, out: _Out) -> int:
     from coordinator.core.executor import StateExecutor
 
     keys = _run_keys(opts)
     _require_run(client, keys)
+    _bind_run_lease(client, keys)
     reason = opts.reason or f"closed by an operator with rdzvctl on {socket.gethostname()}"
     outcome = StateExecutor(client, keys, written_by=_operator()).close(
         reason,
@@ -175,12 +186,13 @@ def _drain(client: EtcdClient, opts: Options, out: _Out) -> int:
             f"node {node} is not alive in run {keys.run_id} (no key {keys.node(node).decode()}); "
             f"see {PROG} status {keys.run_id}"
         )
+    _bind_run_lease(client, keys)
     executor = StateExecutor(client, keys, written_by=_operator())
 
-    def asked(revision: int) -> None:
+    def asked(revision: int, incarnation: int) -> None:
         # The run's timeline: who asked, at the drain's revision (the node may be gone,
         # and its "drained" departure written, before this write lands).
-        event = Event("drain_requested", node_id=node, revision=revision)
+        event = Event("drain_requested", node_id=node, revision=revision, incarnation=incarnation)
         record_event(client, keys, event, written_by=_operator())
 
     for _ in range(_DRAIN_TRIES):
@@ -192,7 +204,7 @@ def _drain(client: EtcdClient, opts: Options, out: _Out) -> int:
         if done is not None and not done.succeeded:
             continue
         if done is not None:
-            asked(done.revision)
+            asked(done.revision, done.state.incarnation)
         if opts.json:
             out.data({"run_id": keys.run_id, "node_id": node, "changed": bool(actions)})
         elif not actions:
