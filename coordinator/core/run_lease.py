@@ -42,6 +42,7 @@ from coordinator.core.keys import RunKeys
 
 __all__ = [
     "RunLease",
+    "bind_existing_run_lease",
     "ensure_run_lease",
     "existing_run_lease",
     "run_lease_id",
@@ -105,6 +106,20 @@ def existing_run_lease(client: EtcdClient, keys: RunKeys) -> int:
     """
     lease_id = run_lease_id(keys)
     return lease_id if client.lease_time_to_live(lease_id) > 0 else 0
+
+
+def bind_existing_run_lease(client: EtcdClient, keys: RunKeys) -> int:
+    """Write as the run's agents do (``rdzvctl``): bind the run's folder to the run's
+    lease if etcd has it, so what is written goes with the run; else nothing is bound
+    (a run of ``retention`` 0: kept until ``rdzvctl gc``). Returns the lease id or 0.
+
+    Raises:
+        EtcdConnectionError: etcd did not answer.
+    """
+    lease_id = existing_run_lease(client, keys)
+    if lease_id:
+        client.bind_prefix(keys.run_prefix, lease_id)
+    return lease_id
 
 
 class RunLease:

@@ -30,7 +30,7 @@ from coordinator.rdzvctl.format import (
     status_json,
     status_lines,
 )
-from coordinator.rdzvctl.history import read_history
+from coordinator.rdzvctl.history import pick_incarnation, read_history
 from coordinator.rdzvctl.model import RunSnapshot, list_runs, phase, read_run
 
 if TYPE_CHECKING:
@@ -133,22 +133,13 @@ def _list(client: EtcdClient, opts: Options, out: _Out) -> int:
     return EXIT_OK
 
 
-def _bind_run_lease(client: EtcdClient, keys: RunKeys) -> None:
-    """Write as the run's agents do: onto the run's lease, if it has one (its keys then
-    go with it, ``retention`` after its last agent left); else kept until gc."""
-    from coordinator.core.run_lease import existing_run_lease
-
-    lease = existing_run_lease(client, keys)
-    if lease:
-        client.bind_prefix(keys.run_prefix, lease)
-
-
 def _close(client: EtcdClient, opts: Options, out: _Out) -> int:
     from coordinator.core.executor import StateExecutor
+    from coordinator.core.run_lease import bind_existing_run_lease
 
     keys = _run_keys(opts)
     _require_run(client, keys)
-    _bind_run_lease(client, keys)
+    bind_existing_run_lease(client, keys)
     reason = opts.reason or f"closed by an operator with rdzvctl on {socket.gethostname()}"
     outcome = StateExecutor(client, keys, written_by=_operator()).close(
         reason,
@@ -176,6 +167,7 @@ def _drain(client: EtcdClient, opts: Options, out: _Out) -> int:
     from coordinator.core.event_log import record_event
     from coordinator.core.events import Event
     from coordinator.core.executor import StateExecutor
+    from coordinator.core.run_lease import bind_existing_run_lease
     from coordinator.core.transitions import drain
 
     keys = _run_keys(opts)
@@ -186,7 +178,7 @@ def _drain(client: EtcdClient, opts: Options, out: _Out) -> int:
             f"node {node} is not alive in run {keys.run_id} (no key {keys.node(node).decode()}); "
             f"see {PROG} status {keys.run_id}"
         )
-    _bind_run_lease(client, keys)
+    bind_existing_run_lease(client, keys)
     executor = StateExecutor(client, keys, written_by=_operator())
 
     def asked(revision: int, incarnation: int) -> None:
@@ -226,6 +218,18 @@ def _no_events(keys: RunKeys) -> _Failed:
     )
 
 
+def _one_incarnation(keys: RunKeys, opts: Options, out: _Out, events: list[Event]) -> list[Event]:
+    """The events of the incarnation asked for (default: the newest); stderr says when
+    another incarnation's were left out."""
+    try:
+        picked, note = pick_incarnation(keys.run_id, events, opts.incarnation)
+    except ValueError as exc:
+        raise _Failed(str(exc)) from None
+    if note is not None:
+        out.err.write(f"{PROG}: {note}\n")
+    return picked
+
+
 def _events(client: EtcdClient, opts: Options, out: _Out) -> int:
     import queue
 
@@ -248,7 +252,7 @@ def _events(client: EtcdClient, opts: Options, out: _Out) -> int:
             on_error(error)
         if not history.events:
             raise _no_events(keys)
-        for event in history.events:
+        for event in _one_incarnation(keys, opts, out, history.events):
             emit(event)
         return EXIT_OK
     inbox: queue.Queue[Any] = queue.Queue()
@@ -258,7 +262,9 @@ def _events(client: EtcdClient, opts: Options, out: _Out) -> int:
         # As watch: Ctrl-C only queues a stop; the loop ends at its next wake-up.
         previous = signal.signal(signal.SIGINT, lambda _sig, _frame: inbox.put(Stop()))
     try:
-        follow_history(client, keys, emit, on_error, inbox)
+        follow_history(
+            client, keys, emit, on_error, inbox, lambda got: _one_incarnation(keys, opts, out, got)
+        )
     finally:
         if installed:
             signal.signal(signal.SIGINT, previous)
@@ -275,8 +281,9 @@ def _timeline(client: EtcdClient, opts: Options, out: _Out) -> int:
         out.warn(f"skipped: {error}")
     if not history.events:
         raise _no_events(keys)
+    events = _one_incarnation(keys, opts, out, history.events)
     try:
-        data = prepare(keys.run_id, history.events)
+        data = prepare(keys.run_id, events)
     except ValueError as exc:
         raise _Failed(str(exc)) from None
     path = opts.output or ""
@@ -291,7 +298,7 @@ def _timeline(client: EtcdClient, opts: Options, out: _Out) -> int:
         raise _Failed(f"could not write {path}: {exc.strerror or exc}") from None
     out.lines(
         [f"wrote {path}: {len(data.nodes)} node(s), {len(data.bands)} round(s), "
-         f"{len(data.marks)} mark(s) from {len(history.events)} event(s)"]
+         f"{len(data.marks)} mark(s) from {len(events)} event(s)"]
     )  # fmt: skip
     return EXIT_OK
 

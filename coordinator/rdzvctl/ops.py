@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from coordinator.core.etcd_client import EtcdClient
 from coordinator.core.executor import StateExecutor
 from coordinator.core.keys import RunKeys
-from coordinator.core.run_lease import existing_run_lease
+from coordinator.core.run_lease import bind_existing_run_lease
 from coordinator.core.transitions import close
 from coordinator.rdzvctl.model import RunSnapshot
 
@@ -124,10 +124,8 @@ def collect_run(client: EtcdClient, snapshot: RunSnapshot, *, written_by: str) -
     """
     keys: RunKeys = snapshot.keys
     state = snapshot.effective_state
-    run_lease = existing_run_lease(client, keys)
-    if run_lease:
-        # A run that comes back to life meanwhile keeps its closed state on its lease.
-        client.bind_prefix(keys.run_prefix, run_lease)
+    # A run that comes back to life meanwhile keeps its closed state on its lease.
+    run_lease = bind_existing_run_lease(client, keys)
     executor = StateExecutor(client, keys, written_by=written_by)
     first = executor.commit(
         (state, snapshot.state_mod_revision),

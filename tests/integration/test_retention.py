@@ -249,3 +249,49 @@ def test_the_first_agent_grants_the_run_lease_and_the_others_find_it(
     client.lease_revoke(lease)
     assert ensure_run_lease(client, lease, 90) == 90  # gone: granted again
     client.lease_revoke(lease)
+
+
+def test_a_run_id_used_again_within_the_retention_shows_the_new_incarnation_alone(
+    etcd1: EtcdCluster, run_id: str, client: EtcdClient,
+    handlers: list[EtcdRendezvousHandler], capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """The ended run is still kept: the id starts it again as incarnation 2 (a clean
+    restart, the round number goes on), on the same run lease; the timeline commands
+    show incarnation 2 and say, in one line, where the first one's events are."""
+    keys = RunKeys(DEFAULT_KEY_PREFIX, run_id)
+    first = _handlers(etcd1, run_id, 1, retention=30)
+    handlers += first
+    Joins(first).start().infos(30)
+    first[0].set_closed("the first job is over")
+    first[0].leave()
+    second = _handlers(etcd1, run_id, 1, retention=30)
+    handlers += second
+    Joins(second).start().infos(30)
+    assert second[0].incarnation == 2
+    wait_until(
+        lambda: client.count_prefix(keys.events_prefix + b"round_completed/")[0] == 2,
+        10, "round 2 on the timeline",
+    )  # fmt: skip
+    assert {kv.lease for kv in _under(client, keys) if b"/nodes/" not in kv.key} == {
+        run_lease_id(keys)
+    }
+    code, out, err = ctl(capsys, etcd1, "events", run_id)
+    assert code == 0
+    assert [line.split()[4] for line in out.splitlines()] == ["joined", "round_completed"]
+    assert second[0].node_id in out and first[0].node_id not in out
+    assert err == (
+        f"rdzvctl: run {run_id} was started again with the same id: these are the events of "
+        "incarnation 2; 4 event(s) of incarnation(s) 1 are kept until the run's retention "
+        "passes (--incarnation N shows them)\n"
+    ), ctl(capsys, etcd1, "events", run_id, "--incarnation", "1")
+    code, out, _ = ctl(capsys, etcd1, "events", run_id, "--incarnation", "1")
+    assert code == 0
+    assert [line.split()[4] for line in out.splitlines()] == [
+        "joined", "round_completed", "closed", "departed",
+    ]  # fmt: skip
+    code, _, err = ctl(capsys, etcd1, "events", run_id, "--incarnation", "3")
+    assert (code, err) == (
+        1,
+        f"rdzvctl: error: run {run_id!r} has no events of incarnation 3: it has events of "
+        "incarnation(s) 1, 2\n",
+    )
