@@ -10,7 +10,8 @@ call, a watch or a lease (:class:`Observed`).
 Method names are fixed strings (a bounded set, fit for a metric label): the client's
 own method names for unary calls (``get``, ``get_prefix``, ``count_prefix``, ``put``,
 ``delete``, ``delete_prefix``, ``put_if_mod_revision``, ``delete_if_mod_revision``,
-``lease_grant``, ``lease_revoke``, ``lease_time_to_live``, ``authenticate``), and
+``lease_grant``, ``lease_refresh``, ``lease_revoke``, ``lease_time_to_live``,
+``authenticate``), and
 ``lease_keepalive`` and ``watch`` for the two streams.
 """
 
