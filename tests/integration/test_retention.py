@@ -295,3 +295,24 @@ def test_a_run_id_used_again_within_the_retention_shows_the_new_incarnation_alon
         f"rdzvctl: error: run {run_id!r} has no events of incarnation 3: it has events of "
         "incarnation(s) 1, 2\n",
     )
+
+
+def test_nodes_whose_run_lease_is_revoked_under_them_join_again_on_a_new_one(
+    etcd1: EtcdCluster, run_id: str, client: EtcdClient, handlers: list[EtcdRendezvousHandler]
+) -> None:
+    """The run's lease revoked by hand while the run is live: every key of the run that
+    no node owns goes with it; each node hears it from its keep-alive, leaves and joins
+    again, and the first to do so grants the lease again."""
+    keys = RunKeys(DEFAULT_KEY_PREFIX, run_id)
+    run_lease = run_lease_id(keys)
+    two = _handlers(etcd1, run_id, 2, retention=30)
+    handlers += two
+    Joins(two).start().infos(30)
+    client.lease_revoke(run_lease)
+    assert client.get(keys.state)[0] is None
+    wait_until(lambda: all(h.num_nodes_waiting() > 0 for h in two), 10, "both to hear it")
+    infos = Joins(two).start().infos(30)
+    assert sorted(i.rank for i in infos.values()) == [0, 1]
+    assert client.lease_time_to_live(run_lease) > 0
+    state, _ = client.get(keys.state)
+    assert state is not None and state.lease == run_lease
