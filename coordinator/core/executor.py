@@ -25,10 +25,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from coordinator.core.commit_events import events_of_commit
 from coordinator.core.errors import EtcdElasticError
 from coordinator.core.etcd_client import EtcdClient, KeyValue
 from coordinator.core.event_log import record_event
-from coordinator.core.events import events_of_commit
 from coordinator.core.keys import RunKeys
 from coordinator.core.state import CloseMode, RdzvState, decode_state, encode_state
 from coordinator.core.store_rounds import round_prefixes

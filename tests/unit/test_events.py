@@ -8,15 +8,14 @@ import json
 
 import pytest
 
+from coordinator.core.commit_events import EventRecorder, events_of_commit
 from coordinator.core.errors import CorruptValueError
 from coordinator.core.etcd_client import KeyValue
 from coordinator.core.events import (
     Event,
-    EventRecorder,
     decode_event,
     encode_event,
     event_id,
-    events_of_commit,
     order_events,
     read_events,
     trim_count,
