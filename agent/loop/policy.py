@@ -11,6 +11,7 @@ from __future__ import annotations
 from enum import Enum
 
 from agent.workers.state import WorkerState
+from coordinator.core.restart_budget import restart_refunded
 
 __all__ = [
     "RestartBudget",
@@ -75,28 +76,6 @@ def next_step(group_state: WorkerState, restarts_left: int, membership_changed: 
     return Step.RESTART_UNCOUNTED if membership_changed else Step.CONTINUE
 
 
-def restart_refunded(failed_group_size: int, next_group_size: int) -> bool:
-    """Whether a counted restart is given back once the next round has formed.
-
-    A node that dies (or is cut off) breaks its peers' collectives at once, so their
-    workers fail and the restart is counted, while the rendezvous learns of the loss only
-    when the node's lease ends, a TTL later. When the round after the failure has fewer
-    nodes than the round the workers failed in, a node went away and the failure is put
-    down to that membership change, which does not count (DESIGN §5). A genuine failure
-    that happens to coincide with a departure gets one free restart; torch counts both.
-
-    Args:
-        failed_group_size: nodes in the round whose workers failed.
-        next_group_size: nodes in the round that formed after the failure.
-
-    Raises:
-        ValueError: a size is below 1.
-    """
-    if failed_group_size < 1 or next_group_size < 1:
-        raise ValueError(f"group sizes must be >= 1, got {failed_group_size} and {next_group_size}")
-    return next_group_size < failed_group_size
-
-
 def stop_for_closed_run(group_state: WorkerState, closed: bool, close_mode: str) -> bool:
     """Whether a run that another node (or an operator) closed ends this attempt now.
 
@@ -111,7 +90,9 @@ def stop_for_closed_run(group_state: WorkerState, closed: bool, close_mode: str)
 
 
 class RestartBudget:
-    """The counted restarts a node has left, and the one it may get back.
+    """The counted restarts a node has left, and the one it may get back: torchrun's
+    per-node budget, kept where the rendezvous keeps no count of the job (a handler that
+    is not ours; the job's budget is :class:`agent.loop.budget.JobBudget`).
 
     A restart is charged when a worker fails; when the next round turns out smaller, the
     failure followed a node's departure and the charge is refunded (see
@@ -126,6 +107,11 @@ class RestartBudget:
     @property
     def used(self) -> int:
         return self.max_restarts - self.left
+
+    @property
+    def left_for_failure(self) -> int:
+        """The restarts a failure of the current round may use: ``left``, per node."""
+        return self.left
 
     def charge(self, group_size: int) -> None:
         """A worker of a group of ``group_size`` nodes failed: one restart is used."""

@@ -26,6 +26,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from coordinator.core.errors import CorruptValueError
+from coordinator.core.restart_budget import RestartCount, count_message, count_of_message
 from coordinator.generated import rendezvous_pb2 as pb
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "NodeInfo",
     "Quarantine",
     "RdzvState",
+    "RestartCount",
     "close_mode_of",
     "decode_node",
     "decode_state",
@@ -44,10 +46,14 @@ __all__ = [
     "encode_state",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """2 added ``incarnation`` to the state and the node records; a value of version 1 has none
 and decodes as incarnation 1 (a reader of version 1 refuses version 2 with "upgrade every
-agent of the run")."""
+agent of the run").
+
+3 added the job's restart count (``restarts``; none in a value of version 2). An agent of
+version 2 must not join such a run: counting per node, it would let a node that leaves
+and joins again bypass the job's budget; it refuses with "upgrade every agent"."""
 
 MAX_ROUND = 2**63 - 2
 """The highest round a state may hold: nodes ask for ``round + 1`` and a completion writes
@@ -137,6 +143,7 @@ class RdzvState:
         hang: the last hang declared (None: none); it concerns ``hang.round`` only.
         quarantined: nodes left out of the rounds for a while (failed or slow in the
             pre-flight check; :mod:`coordinator.core.quarantine`).
+        restarts: the job's counted restarts (:mod:`coordinator.core.restart_budget`).
     """
 
     round: int = 0
@@ -156,6 +163,7 @@ class RdzvState:
     draining: tuple[str, ...] = ()
     hang: Hang | None = None
     quarantined: tuple[Quarantine, ...] = ()
+    restarts: RestartCount = field(default_factory=RestartCount)
 
     def quarantine_of(self, node_id: str) -> Quarantine | None:
         """The quarantine of ``node_id``, or None if it is not quarantined."""
@@ -267,6 +275,7 @@ def encode_state(state: RdzvState) -> bytes:
             )
             for q in state.quarantined
         ],
+        restarts=count_message(state.restarts),
     )
     if state.hang is not None:
         h = state.hang
@@ -327,6 +336,7 @@ def _decode_state_cached(key: str, raw: bytes) -> RdzvState:
         quarantined=tuple(
             Quarantine(q.node_id, q.reason, q.until_unix_ms, q.addr) for q in msg.quarantined
         ),
+        restarts=count_of_message(key, msg.restarts, msg.round),
     )
 
 

@@ -64,7 +64,7 @@ class Participant(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class RendezvousState(_message.Message):
-    __slots__ = ("schema_version", "round", "complete", "closed", "participants", "wait_list", "redundancy_list", "lost", "closed_reason", "completed_at_unix_ms", "written_by", "master_addr", "master_port", "close_mode", "closed_at_unix_ms", "incarnation", "draining", "hang", "quarantined")
+    __slots__ = ("schema_version", "round", "complete", "closed", "participants", "wait_list", "redundancy_list", "lost", "closed_reason", "completed_at_unix_ms", "written_by", "master_addr", "master_port", "close_mode", "closed_at_unix_ms", "incarnation", "draining", "hang", "quarantined", "restarts")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class RendezvousState(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     HANG_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     round: int
     complete: bool
@@ -103,7 +104,18 @@ class RendezvousState(_message.Message):
     draining: _containers.RepeatedScalarFieldContainer[str]
     hang: Hang
     quarantined: _containers.RepeatedCompositeFieldContainer[Quarantine]
-    def __init__(self, schema_version: _Optional[int] = ..., round: _Optional[int] = ..., complete: _Optional[bool] = ..., closed: _Optional[bool] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., wait_list: _Optional[_Iterable[str]] = ..., redundancy_list: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[str]] = ..., closed_reason: _Optional[str] = ..., completed_at_unix_ms: _Optional[int] = ..., written_by: _Optional[str] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., close_mode: _Optional[_Union[CloseMode, str]] = ..., closed_at_unix_ms: _Optional[int] = ..., incarnation: _Optional[int] = ..., draining: _Optional[_Iterable[str]] = ..., hang: _Optional[_Union[Hang, _Mapping]] = ..., quarantined: _Optional[_Iterable[_Union[Quarantine, _Mapping]]] = ...) -> None: ...
+    restarts: RestartCount
+    def __init__(self, schema_version: _Optional[int] = ..., round: _Optional[int] = ..., complete: _Optional[bool] = ..., closed: _Optional[bool] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., wait_list: _Optional[_Iterable[str]] = ..., redundancy_list: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[str]] = ..., closed_reason: _Optional[str] = ..., completed_at_unix_ms: _Optional[int] = ..., written_by: _Optional[str] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., close_mode: _Optional[_Union[CloseMode, str]] = ..., closed_at_unix_ms: _Optional[int] = ..., incarnation: _Optional[int] = ..., draining: _Optional[_Iterable[str]] = ..., hang: _Optional[_Union[Hang, _Mapping]] = ..., quarantined: _Optional[_Iterable[_Union[Quarantine, _Mapping]]] = ..., restarts: _Optional[_Union[RestartCount, _Mapping]] = ...) -> None: ...
+
+class RestartCount(_message.Message):
+    __slots__ = ("used", "round", "refunded")
+    USED_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    REFUNDED_FIELD_NUMBER: _ClassVar[int]
+    used: int
+    round: int
+    refunded: bool
+    def __init__(self, used: _Optional[int] = ..., round: _Optional[int] = ..., refunded: _Optional[bool] = ...) -> None: ...
 
 class Hang(_message.Message):
     __slots__ = ("round", "nodes", "step", "behind", "declared_by", "stalled_ms", "declared_at_unix_ms")
