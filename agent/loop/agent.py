@@ -44,7 +44,7 @@ from agent.config import LaunchConfig
 from agent.health.hang import HangWatch, HangWatchDied, running_ranks
 from agent.health.hang_rules import hang_line
 from agent.health.preflight import HealthCheckFailed, Preflight
-from agent.loop.budget import restart_budget
+from agent.loop.budget import DepartureHold, restart_budget
 from agent.loop.ending import (
     close_reason,
     close_rendezvous,
@@ -124,6 +124,7 @@ class Agent:
         self._push_events = False
         self._stop_signal: int | None = None
         self._budget = restart_budget(config.max_restarts, self._rdzv)
+        self._hold = DepartureHold(self._rdzv)
         self._metrics = metrics or RunMetrics()
         self._metrics.restarts_left(self._budget.left)
         self._metrics.watch_workers(lambda: running_workers(self._group))
@@ -325,6 +326,7 @@ class Agent:
             else:
                 changed = state is WorkerState.HEALTHY and self._handler.num_nodes_waiting() > 0
                 step = next_step(state, self._budget.left_for_failure, changed)
+                step = self._hold.judge(step, state)  # a departure may yet explain it
                 if step is Step.CONTINUE:
                     continue
                 if step is Step.SUCCEED:

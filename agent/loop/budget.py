@@ -14,17 +14,28 @@ Both answer the loop the same questions: how many restarts a failure of the curr
 round may use (``left_for_failure``, what :func:`~agent.loop.policy.next_step` is
 given), how many are used and left (logs, metrics, ``TORCHELASTIC_RESTART_COUNT``),
 ``charge`` one, and whether the round that just formed gave it back (``settle``).
+
+A budget shared by the job runs out sooner on each node than torchrun's, and a node
+lost once it is out must still cost nothing (its peers' collectives break before its
+lease ends): :class:`DepartureHold` makes a failure with no restart left wait, up to a
+lease TTL, for a departure that explains it.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from typing import Protocol
 
-from agent.loop.policy import RestartBudget
+from agent.loop.policy import RestartBudget, Step, failure_with_no_restart_left
+from agent.workers.state import WorkerState
 from coordinator.core.restart_budget import restarts_left
 from coordinator.torch_adapter.surface import RendezvousSurface
 
-__all__ = ["Budget", "JobBudget", "restart_budget"]
+__all__ = ["Budget", "DepartureHold", "JobBudget", "restart_budget"]
+
+log = logging.getLogger(__name__)
 
 
 class Budget(Protocol):
@@ -102,6 +113,50 @@ class JobBudget:
         charged, self._charged = self._charged, None
         count = self._rdzv.job_restarts
         return charged is not None and count.round == charged and count.refunded
+
+
+class DepartureHold:
+    """Holds a give-up on failed workers until a departure had time to show
+    (:func:`~agent.loop.policy.failure_with_no_restart_left`): a participant seen gone
+    turns it into a restart for a membership change, not counted.
+
+    Args:
+        rdzv: the rendezvous (its ``departure_seen_within`` is the longest wait; 0, as
+            with a handler that is not ours: never waits).
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self, rdzv: RendezvousSurface, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._rdzv = rdzv
+        self._clock = clock
+        self._since: float | None = None
+
+    def judge(self, step: Step, state: WorkerState) -> Step:
+        """``step``, or what it becomes while a departure may explain the failure."""
+        window = self._rdzv.departure_seen_within
+        if step is not Step.FAIL or state is not WorkerState.FAILED or window <= 0:
+            self._since = None
+            return step
+        now = self._clock()
+        if self._since is None:
+            self._since = now
+            log.warning(
+                "node %s: workers of round %d failed with no restart left; waiting up to "
+                "%.0f s for a node's departure that would explain it",
+                self._rdzv.node_id, self._rdzv.last_round, window,
+            )  # fmt: skip
+        gone = self._rdzv.departed_participants()
+        out = failure_with_no_restart_left(step, state, bool(gone), now - self._since, window)
+        if out is not Step.CONTINUE:
+            self._since = None
+        if out is Step.RESTART_UNCOUNTED:
+            log.warning(
+                "node %s: %s left round %d: the failure is put down to that departure",
+                self._rdzv.node_id, ", ".join(gone), self._rdzv.last_round,
+            )  # fmt: skip
+        return out
 
 
 def restart_budget(max_restarts: int, rdzv: RendezvousSurface) -> Budget:

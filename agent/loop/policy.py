@@ -16,6 +16,7 @@ from coordinator.core.restart_budget import restart_refunded
 __all__ = [
     "RestartBudget",
     "Step",
+    "failure_with_no_restart_left",
     "next_step",
     "restart_cause",
     "restart_refunded",
@@ -74,6 +75,37 @@ def next_step(group_state: WorkerState, restarts_left: int, membership_changed: 
     if group_state is WorkerState.UNKNOWN:
         return Step.FAIL
     return Step.RESTART_UNCOUNTED if membership_changed else Step.CONTINUE
+
+
+def failure_with_no_restart_left(
+    step: Step, state: WorkerState, departed: bool, held: float, window: float
+) -> Step:
+    """What a worker failure with no restart left does while a departure may explain it.
+
+    A node that dies breaks its peers' collectives at once, and the rendezvous learns of
+    it only when its lease ends, up to a TTL later. With restarts left, the failure is
+    counted and given back when the next round forms smaller (:func:`restart_refunded`);
+    with none left, giving up at once would end the job for a node's departure, which is
+    free (DESIGN §5). So the failure waits, up to ``window`` seconds (the lease TTL and a
+    second), for a participant of the round to be seen gone.
+
+    Args:
+        step: what :func:`next_step` decided.
+        state: the worker group's state.
+        departed: a participant of this node's round has been seen gone.
+        held: seconds since this failure first came here.
+        window: how long a departure takes to be seen (0: never waited for).
+
+    Returns:
+        ``step``, unless it gives up on failed workers: then RESTART_UNCOUNTED once a
+        departure is seen (a membership change), CONTINUE while ``held < window``, FAIL
+        after.
+    """
+    if step is not Step.FAIL or state is not WorkerState.FAILED:
+        return step
+    if departed:
+        return Step.RESTART_UNCOUNTED
+    return Step.CONTINUE if held < window else Step.FAIL
 
 
 def stop_for_closed_run(group_state: WorkerState, closed: bool, close_mode: str) -> bool:

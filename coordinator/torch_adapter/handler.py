@@ -498,6 +498,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
         return parts.view.peek().restarts if parts is not None else RestartCount()
 
     @property
+    def departure_seen_within(self) -> float:
+        """A participant that died is in the state's ``lost`` list within its lease TTL
+        and a second (the watch and the coordinator's commit)."""
+        return self._settings.lease_ttl + 1.0
+
+    @property
     def drain_requested(self) -> bool:
         """Whether an operator asked this node to leave (``rdzvctl drain``), from the
         watched view: the agent then stops its workers gracefully and exits 0."""

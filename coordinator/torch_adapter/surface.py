@@ -97,6 +97,12 @@ class RendezvousSurface(Protocol):
         job's count returns nothing counted."""
         ...
 
+    @property
+    def departure_seen_within(self) -> float:
+        """Seconds within which every node sees a participant that died or was cut off
+        (its lease TTL and a second); 0 where the backend cannot tell."""
+        ...
+
     def subscribe(self, callback: Callable[[], None]) -> Callable[[], None] | None:
         """Call ``callback`` (on a background thread; it must not block) whenever
         ``num_nodes_waiting()`` may have changed; returns the unsubscribe function, or
@@ -144,6 +150,8 @@ class ForeignSurface:
 
     def count_restart(self, round: int) -> RestartCount:
         return RestartCount()
+
+    departure_seen_within = 0.0
 
     def subscribe(self, callback: Callable[[], None]) -> Callable[[], None] | None:
         return None

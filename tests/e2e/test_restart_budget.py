@@ -1,5 +1,6 @@
 """The job's restart budget end to end (issue 18, item 2): a node that leaves and joins
-again cannot exceed ``--max-restarts``.
+again cannot exceed ``--max-restarts``; and a node lost once the budget is used up still
+costs nothing.
 
 Two real agents, ``--max-restarts=1``. Node b's worker fails (the job's one restart);
 b's agent is then killed and a fresh agent takes its place; when that agent's worker
@@ -17,11 +18,12 @@ and runs until the test writes ``<name>.fail`` (it exits 1) or ``release``.
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.agents import AgentProc, Agents, wait_for
+from tests.e2e.agents import EXAMPLE, AgentProc, Agents, descendants, read_report, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -136,4 +138,40 @@ def test_a_node_leaving_and_joining_again_cannot_exceed_the_jobs_restart_budget(
         r"start the job again \(same --rdzv-id\) once every node of this run has left",
         lines[0],
     ), lines[0]
+    assert agents.leftovers() == []
+
+
+def test_a_node_lost_with_no_restart_left_costs_nothing(agents: Agents, tmp_path: Path) -> None:
+    """--max-restarts=0, two agents of examples/train_ddp.py (gloo): b is SIGKILLed. a's
+    worker fails on the broken collective within seconds, while b's lease ends only a TTL
+    (10 s here, so the order is sure) later; a waits for that departure instead of giving
+    up, then trains on alone, not counted. Without the wait a would exit 1."""
+    report = tmp_path / "report.jsonl"
+    conf = ["--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=0", "--no-warm-start",
+            "--rdzv-conf=lease_ttl=10,last_call_timeout=10"]  # fmt: skip
+    script = ["--epochs", "30", "--steps-per-epoch", "5", "--sleep-per-step", "0.1",
+              "--checkpoint-dir", str(tmp_path / "ckpt"), "--report", str(report)]  # fmt: skip
+    a = agents.start("a", conf, script, script=EXAMPLE)
+    b = agents.start("b", conf, script, script=EXAMPLE)
+
+    def world(size: int, after: float = 0.0) -> list[dict[str, object]]:
+        return [r for r in read_report(report) if r["world_size"] == size and r["time"] > after]
+
+    wait_for("a world of 2", lambda: len(world(2)) == 2, STARTED, diagnose=agents.logs)
+    rank1 = next(r["pid"] for r in world(2) if r["rank"] == 1)
+    victim, survivor = (b, a) if rank1 in descendants(b.pid) else (a, b)
+    killed_at = time.time()
+    victim.kill_node()
+    wait_for(
+        "the survivor training alone (or giving up)",
+        lambda: len(world(1, killed_at)) == 1 or survivor.proc.poll() is not None,
+        JOB,
+        diagnose=agents.logs,
+    )
+    assert survivor.wait(JOB) == 0, agents.logs()
+    assert [r["restart_count"] for r in world(1, killed_at)] == [0]
+    out = survivor.output()
+    assert "workers of round 1 failed with no restart left; waiting up to 11 s" in out, out
+    assert re.search(r": \S+ left round 1: the failure is put down to that departure", out), out
+    assert "membership changed; restarting (not counted)" in out, out
     assert agents.leftovers() == []

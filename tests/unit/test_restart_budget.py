@@ -2,13 +2,15 @@
 actions that carry them (transitions.count_restart, the refund in a completion): counted
 once per round, judged against the budget before the round was counted, given back when
 the next round is smaller, nothing in a closed run, and a node that leaves and joins
-again cannot reset it."""
+again cannot reset it. Then the agent's wait for a departure that would explain a
+failure with no restart left (agent.loop.policy, agent.loop.budget.DepartureHold)."""
 
 from __future__ import annotations
 
 import pytest
 
-from agent.loop.policy import RestartBudget, Step, next_step
+from agent.loop.budget import DepartureHold
+from agent.loop.policy import RestartBudget, Step, failure_with_no_restart_left, next_step
 from agent.workers.state import WorkerState
 from coordinator.core.restart_budget import (
     RestartCount,
@@ -19,6 +21,7 @@ from coordinator.core.restart_budget import (
 )
 from coordinator.core.state import RdzvState
 from coordinator.core.transitions import Action, ActionKind, apply, count_restart
+from coordinator.torch_adapter.surface import ForeignSurface
 
 K = ActionKind
 NOTHING = RestartCount()
@@ -164,3 +167,62 @@ def test_leaving_and_joining_again_cannot_exceed_the_jobs_budget() -> None:
     assert next_step(WorkerState.FAILED, left, False) is Step.FAIL
     fresh = RestartBudget(max_restarts)  # torchrun's count on the fresh agent
     assert next_step(WorkerState.FAILED, fresh.left_for_failure, False) is Step.RESTART_COUNTED
+
+
+# --- a failure with no restart left waits for a departure that would explain it ---------
+
+F, H, U = WorkerState.FAILED, WorkerState.HEALTHY, WorkerState.UNHEALTHY
+# (step, state, departed, held, window) -> step
+HOLD = [
+    (Step.FAIL, F, False, 0.0, 4.0, Step.CONTINUE),  # wait: a lease may be ending
+    (Step.FAIL, F, True, 1.0, 4.0, Step.RESTART_UNCOUNTED),  # a participant went: free
+    (Step.FAIL, F, False, 4.0, 4.0, Step.FAIL),  # none went within the window
+    (Step.FAIL, F, True, 9.0, 4.0, Step.RESTART_UNCOUNTED),
+    (Step.FAIL, F, False, 0.0, 0.0, Step.FAIL),  # a backend that cannot tell: no wait
+    (Step.FAIL, U, True, 0.0, 4.0, Step.FAIL),  # a hang is no node's departure
+    (Step.FAIL, WorkerState.UNKNOWN, True, 0.0, 4.0, Step.FAIL),
+    (Step.RESTART_COUNTED, F, True, 0.0, 4.0, Step.RESTART_COUNTED),  # restarts left
+    (Step.CONTINUE, H, True, 0.0, 4.0, Step.CONTINUE),
+]
+
+
+@pytest.mark.parametrize(("step", "state", "departed", "held", "window", "out"), HOLD)
+def test_failure_with_no_restart_left(
+    step: Step, state: WorkerState, departed: bool, held: float, window: float, out: Step
+) -> None:
+    assert failure_with_no_restart_left(step, state, departed, held, window) is out
+
+
+class _Rendezvous(ForeignSurface):
+    """A surface whose departures and window a test sets (the rest: a foreign one's)."""
+
+    def __init__(self, window: float) -> None:
+        self.departure_seen_within = window
+        self.gone: list[str] = []
+
+    def departed_participants(self) -> list[str]:
+        return list(self.gone)
+
+
+def test_departure_hold_waits_its_window_then_gives_up_or_restarts_for_the_departure() -> None:
+    now = [100.0]
+    rdzv = _Rendezvous(window=4.0)
+    hold = DepartureHold(rdzv, clock=lambda: now[0])
+    assert hold.judge(Step.FAIL, F) is Step.CONTINUE
+    now[0] += 3.9
+    assert hold.judge(Step.FAIL, F) is Step.CONTINUE
+    now[0] += 0.1
+    assert hold.judge(Step.FAIL, F) is Step.FAIL  # the window is over: give up
+    # The next failure waits a window of its own; a departure seen ends the wait.
+    now[0] += 60.0
+    assert hold.judge(Step.FAIL, F) is Step.CONTINUE
+    now[0] += 2.0
+    rdzv.gone = ["b"]
+    assert hold.judge(Step.FAIL, F) is Step.RESTART_UNCOUNTED
+    # Other steps pass through and end any wait.
+    rdzv.gone = []
+    assert hold.judge(Step.FAIL, F) is Step.CONTINUE
+    assert hold.judge(Step.RESTART_COUNTED, F) is Step.RESTART_COUNTED
+    now[0] += 10.0
+    assert hold.judge(Step.FAIL, F) is Step.CONTINUE
+    assert DepartureHold(_Rendezvous(window=0.0)).judge(Step.FAIL, F) is Step.FAIL
