@@ -44,6 +44,7 @@ __all__ = [
     "counted",
     "counted_before",
     "counts",
+    "describe",
     "restart_refunded",
     "restarts_left",
     "settled",
@@ -119,6 +120,13 @@ def settled(
     if not restart_refunded(completed_size, next_size):
         return count
     return RestartCount(used=count.used - 1, round=count.round, refunded=True)
+
+
+def describe(count: RestartCount) -> str:
+    """``count`` in words, for operators (``rdzvctl status``)."""
+    back = ", given back: the next round was smaller" if count.refunded else ""
+    last = f"the last in round {count.round}{back}" if count.round else "none yet"
+    return f"{count.used} counted for the job ({last})"
 
 
 def count_message(count: RestartCount) -> pb.RestartCount:

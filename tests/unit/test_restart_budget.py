@@ -7,6 +7,8 @@ failure with no restart left (agent.loop.policy, agent.loop.budget.DepartureHold
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from agent.loop.budget import DepartureHold
@@ -21,7 +23,9 @@ from coordinator.core.restart_budget import (
 )
 from coordinator.core.state import RdzvState
 from coordinator.core.transitions import Action, ActionKind, apply, count_restart
+from coordinator.rdzvctl.format import status_json, status_lines
 from coordinator.torch_adapter.surface import ForeignSurface
+from tests.unit.rdzvctl_samples import LIVE, NOW, ROUND1, UTC, snap
 
 K = ActionKind
 NOTHING = RestartCount()
@@ -226,3 +230,21 @@ def test_departure_hold_waits_its_window_then_gives_up_or_restarts_for_the_depar
     now[0] += 10.0
     assert hold.judge(Step.FAIL, F) is Step.CONTINUE
     assert DepartureHold(_Rendezvous(window=0.0)).judge(Step.FAIL, F) is Step.FAIL
+
+
+def test_rdzvctl_status_shows_the_jobs_restarts_once_one_was_counted() -> None:
+    assert not [x for x in status_lines(snap(ROUND1, LIVE), NOW, UTC) if "restarts" in x]
+    counted = dataclasses.replace(ROUND1, restarts=RestartCount(used=1, round=1))
+    assert "restarts:        1 counted for the job (the last in round 1)" in status_lines(
+        snap(counted, LIVE), NOW, UTC
+    )
+    back = dataclasses.replace(ROUND1, round=2, restarts=RestartCount(0, 1, refunded=True))
+    assert (
+        "restarts:        0 counted for the job (the last in round 1, given back: the next "
+        "round was smaller)"
+    ) in status_lines(snap(back, LIVE), NOW, UTC)
+    assert status_json(snap(counted, LIVE))["restarts"] == {
+        "used": 1,
+        "round": 1,
+        "refunded": False,
+    }
