@@ -204,12 +204,17 @@ class HangWatch:
 
     def _observe(self, round: int, local: LocalProgress | None) -> None:
         silent_ns = 0 if local is None else self._clock_ns() - local.last_ns
+        wanted = suspicion(round, local, silent_ns, self._suspect_ns)
+        op = record_op(self._written, wanted, round)
+        due = self._timeout_ns is not None and silent_ns >= self._timeout_ns
+        declare = local is not None and due and self._settled != round
+        if op is RecordOp.KEEP and not declare:
+            return  # the healthy case, every tick: nothing to tell etcd
         board = self._rdzv.progress_board()
         try:
-            if board is not None:
-                self._keep_record(board, round, local, silent_ns)
-            due = self._timeout_ns is not None and silent_ns >= self._timeout_ns
-            if local is not None and due and self._settled != round:
+            if board is not None and op is not RecordOp.KEEP:
+                self._keep_record(board, op, wanted, round, local, silent_ns)
+            if declare and local is not None:
                 self._declare(board, round, local, silent_ns)
         except EtcdElasticError as exc:
             # etcd unreachable or refusing: training goes on; try again after a backoff.
@@ -226,11 +231,15 @@ class HangWatch:
         self._failures = 0
 
     def _keep_record(
-        self, board: ProgressBoard, round: int, local: LocalProgress | None, silent_ns: int
+        self,
+        board: ProgressBoard,
+        op: RecordOp,
+        wanted: Suspicion | None,
+        round: int,
+        local: LocalProgress | None,
+        silent_ns: int,
     ) -> None:
-        """Write this node's suspicion, or delete it, when it changes (never otherwise)."""
-        wanted = suspicion(round, local, silent_ns, self._suspect_ns)
-        op = record_op(self._written, wanted, round)
+        """Write this node's suspicion, or delete it (only on a change: ``op``)."""
         if op is RecordOp.WRITE and local is not None:
             if board.publish(self._record(round, local, silent_ns)):
                 log.info("node %s: workers made no progress for %.1f s at step %d in round "
