@@ -16,6 +16,7 @@ from coordinator.core.errors import EtcdConnectionError, LeaseLostError
 from coordinator.core.etcd_client._connection import Metadata
 from coordinator.core.etcd_client._failover import NOT_FOUND, _status, classify_status
 from coordinator.core.etcd_client._keepalive import KeepAlive, OnReachable, OnUnreachable
+from coordinator.core.etcd_client._keepalive_stream import _KeepAliveStream
 from coordinator.core.etcd_client._kv import _KV, _check_prefix
 from coordinator.core.etcd_client._observer import EtcdObserver
 from coordinator.core.etcd_client._types import EtcdConfig, WatchEvent, prefix_range_end
@@ -52,9 +53,9 @@ class EtcdClient(_KV):
     One instance may be shared by many threads. Every KV call returns etcd's header
     revision with its result, so callers can watch from exactly the revision they read.
 
-    Background threads (the watch thread, one per keep-alive) cannot die silently: an
+    Background threads (the watch thread, the keep-alive thread) cannot die silently: an
     unexpected exception in one is logged, ends what it served (every open watch gets
-    ``on_error``; the keep-alive's lease turns FAILED and its ``on_lost`` runs) and is
+    ``on_error``; every lease it kept alive turns FAILED and its ``on_lost`` runs) and is
     handed to every death listener as a ``ThreadDied``.
 
     Args:
@@ -82,6 +83,7 @@ class EtcdClient(_KV):
     ) -> None:
         super().__init__(config, clock=clock, sleep=sleep, rng=rng, observer=observer)
         self._keepalives: set[KeepAlive] = set()
+        self._keepalive_stream = _KeepAliveStream(self)
         self._lock = threading.Lock()
         self._death_listeners: list[DeathListener] = []
         if on_thread_death is not None:
@@ -191,7 +193,8 @@ class EtcdClient(_KV):
         on_reachable: OnReachable | None = None,
         granted_at: float | None = None,
     ) -> KeepAlive:
-        """Keep the lease alive on one long-lived stream until closed or lost.
+        """Keep the lease alive until closed or lost, on the client's one long-lived
+        keep-alive stream (shared by all its leases; the first lease opens it).
 
         Never gives up while etcd is silent: the lease is lost only when etcd says so
         (:class:`KeepAlive` has the states and what each means for safety). Callbacks
@@ -305,6 +308,7 @@ class EtcdClient(_KV):
             keepalives = list(self._keepalives)
         for keepalive in keepalives:
             keepalive.close(revoke=False)
+        self._keepalive_stream.close()
         self._watcher.close()
         self._channels.close()
 
