@@ -45,6 +45,8 @@ Layout, one concept per module (import from this package, not from them):
 * ``_schedule``: when each lease on that stream sends its next keep-alive (pure);
 * ``_watch``: ``Watch``, one watch and how it ends;
 * ``_watcher``: the watch thread, every watch of a client on one resumable stream;
+* ``_watch_probe``: what that stream sends when its member is silent (a progress
+  request, or a read where the member is an etcd gRPC proxy);
 * ``_observer``: ``EtcdObserver``, what the client reports (calls, failed attempts,
   keep-alive round trips, answers) to whoever measures it (the agent's metrics).
 """

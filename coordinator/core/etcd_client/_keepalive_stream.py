@@ -12,13 +12,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from etcd3 import etcdrpc
 
 from coordinator.core.errors import EtcdConnectionError
-from coordinator.core.etcd_client._connection import Metadata, _stream_metadata
+from coordinator.core.etcd_client._connection import Metadata, StreamEnd, _stream_metadata
 from coordinator.core.etcd_client._failover import (
     NOT_FOUND,
     REAUTH,
@@ -39,14 +39,6 @@ if TYPE_CHECKING:
 __all__ = ["_KeepAliveStream"]
 
 log = logging.getLogger("coordinator.core.etcd_client")  # one logger for the whole package
-
-
-class _Attempt(NamedTuple):
-    """How one attempt at a stream ended."""
-
-    kind: str  # a failure kind of _failover (RETRY, REAUTH, ...), or "" (no failure)
-    metadata: Metadata  # the token it used (to invalidate on REAUTH)
-    answered: bool  # etcd answered at least once (resets the backoff)
 
 
 class _KeepAliveStream:
@@ -183,7 +175,7 @@ class _KeepAliveStream:
                 if not keepalive._stop.is_set():
                     keepalive._check()
 
-    def _attempt(self, index: int) -> _Attempt:
+    def _attempt(self, index: int) -> StreamEnd:
         """Probe, then open one stream on endpoint ``index`` and read it until it ends."""
         client = self._client
         op = OnStream(index, client.config.endpoints[index])
@@ -195,10 +187,10 @@ class _KeepAliveStream:
             # Authenticating (with its own failover) is bounded like one interval's wait.
             metadata = client._metadata(min(intervals))
             if not self._probe(op, metadata):
-                return _Attempt("", metadata, True)
+                return StreamEnd("", metadata, True)
             with self._cond:
                 if self._closed or not self._leases:
-                    return _Attempt("", metadata, True)
+                    return StreamEnd("", metadata, True)
                 now = client._clock()
                 for keepalive in self._leases.values():
                     self._join(op, keepalive, now)
@@ -214,19 +206,19 @@ class _KeepAliveStream:
                 answered = True
                 self._answer(op, rsp)
             if op.emptied or self._closed:
-                return _Attempt("", metadata, answered)
+                return StreamEnd("", metadata, answered)
             self._broke(op.name, "the member ended the stream")
             client._observed.attempt_failed("lease_keepalive", STREAM_ENDED)
-            return _Attempt(RETRY, metadata, answered)
+            return StreamEnd(RETRY, metadata, answered)
         except grpc.RpcError as exc:
             if op.emptied or self._closed:
-                return _Attempt("", metadata, answered)
+                return StreamEnd("", metadata, answered)
             return self._stream_failed(op, exc, metadata, answered)
         except grpc.FutureCancelledError:
-            return _Attempt("", metadata, answered)  # close() cancelled the probe
+            return StreamEnd("", metadata, answered)  # close() cancelled the probe
         except (EtcdConnectionError, ValueError) as exc:
             self._broke(op.name, str(exc))
-            return _Attempt(RETRY, metadata, answered)
+            return StreamEnd(RETRY, metadata, answered)
         finally:
             with self._cond:
                 op.done = True
@@ -241,7 +233,7 @@ class _KeepAliveStream:
 
     def _stream_failed(
         self, op: OnStream, exc: grpc.RpcError, metadata: Metadata, answered: bool
-    ) -> _Attempt:
+    ) -> StreamEnd:
         client = self._client
         code, details = _status(exc)
         kind = RETRY if op.hung else classify_status(code, details)
@@ -260,9 +252,9 @@ class _KeepAliveStream:
                 self.remove(on_it[0])
         with self._cond:
             if not self._leases:
-                return _Attempt("", metadata, answered)  # its only lease is gone
+                return StreamEnd("", metadata, answered)  # its only lease is gone
         self._broke(op.name, op.hung or f"{_code_name(code)}: {details}")
-        return _Attempt(kind, metadata, answered)
+        return StreamEnd(kind, metadata, answered)
 
     def _probe(self, op: OnStream, metadata: Metadata) -> bool:
         """Ask etcd about the most urgent lease that needs it (every lease after an
