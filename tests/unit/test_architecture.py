@@ -23,10 +23,16 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "coordinator.rdzvctl": ("coordinator.rdzvctl", "coordinator.core"),
     "coordinator.torch_adapter": ("coordinator.torch_adapter", "coordinator.core"),
     "coordinator.etcd_server": ("coordinator.core",),
+    "coordinator.etcd_proxy": ("coordinator.core", "coordinator.etcd_server"),
     "agent": ("agent", "coordinator.torch_adapter", "coordinator.core", "coordinator.etcd_server"),
 }
 # The core and the operator CLI run where torch may be absent (and must start fast).
-NO_TORCH = ("coordinator.core", "coordinator.rdzvctl", "coordinator.etcd_server")
+NO_TORCH = (
+    "coordinator.core",
+    "coordinator.rdzvctl",
+    "coordinator.etcd_server",
+    "coordinator.etcd_proxy",
+)
 OURS = ("coordinator", "agent", "benchmarks", "tests", "examples")
 
 
