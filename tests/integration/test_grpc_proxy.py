@@ -9,6 +9,7 @@ One ``etcd grpc-proxy`` in front of the session's 3-member cluster:
 * a lease revoked elsewhere is LOST; keep-alives and a quiet watch stay on the proxy (it
   answers a keep-alive only with its own next renewal, and drops progress requests);
 * with etcd auth on, our calls, leases and watches work through it;
+* a killed proxy: leases and watches go on through a second one;
 * what it saves the cluster: one keep-alive stream and one watcher for all its clients.
 """
 
@@ -30,7 +31,13 @@ from coordinator.core.etcd_client import EtcdClient, EtcdConfig, LeaseState
 from coordinator.etcd_proxy import GrpcProxy
 from coordinator.etcd_server import EtcdCluster
 from coordinator.torch_adapter.handler import EtcdRendezvousHandler
-from tests.integration.etcd_client_support import LeaseEvents, Recorder, _client
+from tests.integration.etcd_client_support import (
+    LeaseEvents,
+    Recorder,
+    _client,
+    _eventually,
+    _FirstEndpoint,
+)
 from tests.integration.test_rendezvous import _NODE_SCRIPT, _changed_event
 from tests.rdzv_helpers import Joins, make_handler
 
@@ -195,6 +202,35 @@ def test_calls_leases_and_watches_work_through_the_proxy_with_auth_on(
             assert keepalive.state is LeaseState.ALIVE and alice.lease_time_to_live(lease) > 0
             keepalive.close()
             assert alice.get(allowed + b"k")[0] is None
+
+
+def test_a_killed_proxy_moves_leases_and_watches_to_the_second_one(
+    etcd3: EtcdCluster, etcd_binary: Path, prefix: bytes
+) -> None:
+    # Deployed in pairs (--rdzv-endpoint=proxy-a,proxy-b), a proxy is no single point of
+    # failure: the client fails over between proxies as between members.
+    events = LeaseEvents()
+    with (
+        GrpcProxy(etcd3.endpoints, binary=etcd_binary) as first,
+        GrpcProxy(etcd3.endpoints, binary=etcd_binary) as second,
+        _client([first.endpoint, second.endpoint], rng=_FirstEndpoint()) as client,
+    ):
+        lease = client.lease_grant(3)
+        keepalive = client.keep_alive(
+            lease, 3, events.on_lost, on_unreachable=events.on_unreachable
+        )
+        rec = Recorder()
+        client.watch(prefix, 0, rec.on_events, rec.on_compacted, prefix=True).wait_created()
+        _eventually(lambda: keepalive.endpoint == first.endpoint)
+        first.kill()
+        _eventually(lambda: keepalive.endpoint == second.endpoint, timeout=10)
+        client.put(prefix + b"k", b"v")
+        rec.wait(lambda r: len(r.events) == 1, timeout=20)
+        time.sleep(3)  # a TTL through the second proxy
+        assert events.lost == [] and events.unreachable == []
+        assert keepalive.state is LeaseState.ALIVE and client.lease_time_to_live(lease) > 0
+        assert client.watch_endpoint == second.endpoint
+        keepalive.close()
 
 
 def test_the_proxy_gives_the_cluster_one_keepalive_stream_and_one_watcher(

@@ -195,3 +195,55 @@ def test_a_frozen_member_moves_every_lease_to_the_next_endpoint_losing_none(
         print(f"\nfrozen member: 10 leases moved in {took:.2f} s (interval {ttl / 3:.1f} s)")
         for keepalive in keepalives:
             keepalive.close()
+
+
+def test_a_lost_callback_may_close_its_own_lease_and_a_sibling(etcd1: EtcdCluster) -> None:
+    # Callbacks run on the stream's thread; close() waits for a callback of its lease to
+    # return, unless it is called from one, which must not deadlock either.
+    with _client(etcd1.endpoints) as owner, _client(etcd1.endpoints) as other:
+        victim_lease, sibling_lease = owner.lease_grant(3), owner.lease_grant(3)
+        made: dict[str, KeepAlive] = {}
+        done = threading.Event()
+
+        def on_lost() -> None:
+            made["victim"].close()
+            made["sibling"].close(revoke=True)
+            done.set()
+
+        made["victim"] = owner.keep_alive(victim_lease, 3, on_lost)
+        made["sibling"] = owner.keep_alive(sibling_lease, 3)
+        _eventually(lambda: all(ka.endpoint is not None for ka in made.values()))
+        other.lease_revoke(victim_lease)
+        assert done.wait(10), "the callback did not finish"
+        assert made["victim"].state is LeaseState.LOST
+        assert made["sibling"].state is LeaseState.CLOSED
+        assert owner.lease_time_to_live(sibling_lease) == -1
+
+
+def test_a_dead_thread_fails_every_lease_on_it_once_even_if_a_callback_closes_one(
+    etcd1: EtcdCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    deaths: list[object] = []
+    with _client(etcd1.endpoints) as client:
+        client.add_death_listener(deaths.append)
+        events = LeaseEvents()
+        keepalives = _keep_alive(client, 3, 3, events)
+        first = keepalives[0]
+        closing = client.keep_alive(client.lease_grant(3), 3, lambda: closing.close(revoke=True))
+        _eventually(lambda: all(ka.endpoint is not None for ka in [*keepalives, closing]))
+
+        def broken(index: int, rsp: object) -> bool:
+            raise RuntimeError("injected into the keep-alive thread")
+
+        monkeypatch.setattr(first, "_on_answer", broken)
+        events.wait(lambda s: len(s.lost) == 3, timeout=10)
+        assert all(ka.state is LeaseState.FAILED for ka in [*keepalives, closing])
+        assert len(deaths) == 1
+        # Its callback closed and revoked it, from the dying thread.
+        _eventually(lambda: client.lease_time_to_live(closing.lease_id) == -1)
+        # The next lease gets a new thread.
+        again = _keep_alive(client, 1, 3)[0]
+        _eventually(lambda: again.endpoint is not None)
+        assert again.state is LeaseState.ALIVE
+        for keepalive in [*keepalives, again]:
+            keepalive.close()

@@ -91,9 +91,10 @@ class KeepAlive:
         self._stop = threading.Event()
         self._lost = threading.Event()
         self._lock = threading.Lock()  # guards _liveness (a leaf lock)
-        # Held by the stream's thread while it acts for this lease, so that close() can
-        # wait until no callback of this lease runs any more.
-        self._busy = threading.Lock()
+        # Held by the stream's thread while it acts for this lease (its callbacks too), so
+        # that close() can wait until none runs any more; reentrant for a callback that
+        # closes its own lease.
+        self._busy = threading.RLock()
         self._liveness = Liveness(
             lease_id, ttl, client._clock() if granted_at is None else granted_at
         )
@@ -141,11 +142,9 @@ class KeepAlive:
         of this lease runs once it returns (unless it is called from one)."""
         first = not self._stop.is_set()
         self._stop.set()
-        stream = self._client._keepalive_stream
-        stream.remove(self)
-        if not stream.on_its_thread():
-            with self._busy:
-                pass  # a callback of this lease in progress has returned
+        self._client._keepalive_stream.remove(self)
+        with self._busy:
+            pass  # a callback of this lease in progress has returned
         with self._lock:
             gone = self._liveness.state is LeaseState.LOST
             self._liveness.end(LeaseState.CLOSED, self._client._clock(), "closed")

@@ -46,8 +46,9 @@ class _KeepAliveStream:
 
     The thread runs while the client has leases; with none, the stream is closed and the
     thread waits. A stream failure (a broken stream, a member left as hung, a refused
-    token) moves every lease on it to the next endpoint together. Lock order: this
-    stream's ``_cond``, then a lease's own leaf lock; no RPC under either.
+    token) moves every lease on it to the next endpoint together. Lock order: a lease's
+    ``_busy`` (held while the thread acts for it, callbacks included), this stream's
+    ``_cond``, a lease's leaf ``_lock``; no RPC under any.
     """
 
     def __init__(self, client: EtcdClient) -> None:
@@ -83,9 +84,6 @@ class _KeepAliveStream:
         with self._cond:
             self._drop(keepalive)
 
-    def on_its_thread(self) -> bool:
-        return threading.current_thread() is self._thread
-
     def close(self) -> None:
         with self._cond:
             self._closed = True
@@ -95,7 +93,11 @@ class _KeepAliveStream:
             self._cond.notify_all()
         if pending is not None:
             pending.cancel()
-        if thread is not None and thread.ident is not None and not self.on_its_thread():
+        if (
+            thread is not None
+            and thread.ident is not None
+            and thread is not threading.current_thread()
+        ):
             thread.join()
 
     # -- bookkeeping (under self._cond) ---------------------------------------------------
