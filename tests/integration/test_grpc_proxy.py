@@ -38,6 +38,7 @@ from tests.integration.etcd_client_support import (
     _eventually,
     _FirstEndpoint,
 )
+from tests.integration.test_etcd_watch import _Heard
 from tests.integration.test_rendezvous import _NODE_SCRIPT, _changed_event
 from tests.rdzv_helpers import Joins, make_handler
 
@@ -48,25 +49,6 @@ pytestmark = pytest.mark.integration
 def proxy(etcd3: EtcdCluster, etcd_binary: Path) -> Iterator[GrpcProxy]:
     with GrpcProxy(etcd3.endpoints, binary=etcd_binary) as started:
         yield started
-
-
-class _Failures:
-    """An observer that records every stream or call attempt that failed."""
-
-    def __init__(self) -> None:
-        self.failed: list[tuple[str, str]] = []
-
-    def call_done(self, method: str, seconds: float, failed: bool) -> None:
-        pass
-
-    def attempt_failed(self, method: str, code: str) -> None:
-        self.failed.append((method, code))
-
-    def keepalive_answered(self, seconds: float) -> None:
-        pass
-
-    def answered(self, at: float) -> None:
-        pass
 
 
 def test_handlers_form_a_round_through_the_proxy(
@@ -135,7 +117,7 @@ def test_keepalives_stay_on_the_proxy_and_a_revoked_lease_is_lost(
     # The proxy answers a keep-alive with its own next renewal (on a 0.5 s tick): paced
     # by the clock, ours ran ahead of it until one waited an interval and the proxy was
     # left as hung, every 2 s at TTL 2.
-    failures, events = _Failures(), LeaseEvents()
+    failures, events = _Heard(), LeaseEvents()
     config = EtcdConfig((proxy.endpoint,), request_timeout=1.0)
     with EtcdClient(config, observer=failures) as client, _client(etcd3.endpoints) as other:
         kept = [client.lease_grant(ttl) for ttl in (2, 3, 5)]
@@ -160,7 +142,7 @@ def test_keepalives_stay_on_the_proxy_and_a_revoked_lease_is_lost(
 def test_a_quiet_watch_without_a_lease_stays_on_the_proxy(proxy: GrpcProxy, prefix: bytes) -> None:
     # The proxy drops progress requests; a member that answers the probe's read is not
     # hung. Before, this stream was left (and every watch re-created) every 1 s here.
-    failures = _Failures()
+    failures = _Heard()
     config = EtcdConfig((proxy.endpoint,), request_timeout=0.5)
     with EtcdClient(config, observer=failures) as client:
         rec = Recorder()
