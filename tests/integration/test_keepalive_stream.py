@@ -247,3 +247,29 @@ def test_a_dead_thread_fails_every_lease_on_it_once_even_if_a_callback_closes_on
         assert again.state is LeaseState.ALIVE
         for keepalive in [*keepalives, again]:
             keepalive.close()
+
+
+def test_two_owners_of_one_lease_on_one_client_each_keep_it_alive(etcd1: EtcdCluster) -> None:
+    # As the agents simulated in one process keep their run's lease alive, each its own
+    # way: closing one leaves the other renewing it; etcd's word on it reaches both.
+    ttl = 2
+    with _client(etcd1.endpoints) as client, _client(etcd1.endpoints) as other:
+        lease = client.lease_grant(ttl)
+        first, second = LeaseEvents(), LeaseEvents()
+        owners = [
+            client.keep_alive(lease, ttl, seen.on_lost, on_unreachable=seen.on_unreachable)
+            for seen in (first, second)
+        ]
+        _eventually(lambda: all(ka.endpoint is not None for ka in owners))
+        time.sleep(2 * ttl)
+        assert all(ka.state is LeaseState.ALIVE for ka in owners)
+        owners[0].close(revoke=False)
+        time.sleep(2 * ttl)  # the other alone renews it
+        assert owners[1].state is LeaseState.ALIVE and client.lease_time_to_live(lease) > 0
+        assert second.unreachable == [] and first.lost == [] and second.lost == []
+        third = client.keep_alive(lease, ttl)
+        other.lease_revoke(lease)
+        assert owners[1].wait_lost(ttl + 2) and third.wait_lost(ttl + 2)
+        assert owners[0].state is LeaseState.CLOSED
+        for keepalive in [*owners, third]:
+            keepalive.close()

@@ -100,12 +100,28 @@ def test_pace_is_a_little_under_the_interval() -> None:
     assert pace(0.1) == pytest.approx(0.095)
 
 
-def test_a_stream_keeps_each_leases_number_and_schedule() -> None:
+def test_a_stream_keeps_each_keepalives_number_and_schedule() -> None:
     stream = OnStream(1, "10.0.0.2:2379")
     stream.join(7, 3, 1.0, now=5.0)
     assert stream.numbers == {7: 3} and stream.schedule.due(5.0) == [(7, SEND)]
     stream.leave(7)
     assert stream.numbers == {} and len(stream.schedule) == 0
+
+
+def test_answers_for_one_lease_go_to_its_owners_in_the_order_they_asked() -> None:
+    # Two owners of lease 0xA (slots 1 and 2) and one of 0xB (slot 3): etcd answers a
+    # stream's requests in order and names only the lease.
+    stream = OnStream(0, "10.0.0.1:2379")
+    for slot in (1, 2, 3):
+        stream.join(slot, 1, 1.0, now=0.0)
+    stream.sent(0xA, 2)
+    stream.sent(0xB, 3)
+    stream.sent(0xA, 1)
+    assert stream.answered(0xA) == 2
+    assert stream.answered(0xB) == 3
+    stream.leave(1)  # closed while its keep-alive was out: the answer goes to nobody
+    assert stream.answered(0xA) is None
+    assert stream.answered(0xA) is None  # nothing was waiting
 
 
 def test_leases_text_names_three_and_counts_the_rest() -> None:

@@ -103,6 +103,7 @@ class KeepAlive:
         self._probe_next = granted_at is None
         # Where this lease last got an answer (None while reconnecting), for diagnostics.
         self.endpoint: str | None = None
+        self._slot = 0  # its number on the client's keep-alive stream (set when added)
 
     def _start(self) -> None:
         self._client._keepalive_stream.add(self)

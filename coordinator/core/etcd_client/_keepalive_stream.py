@@ -9,6 +9,7 @@ the rules about silence are ``_liveness``.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Iterator
@@ -54,7 +55,10 @@ class _KeepAliveStream:
     def __init__(self, client: EtcdClient) -> None:
         self._client = client
         self._cond = threading.Condition()
+        # Every KeepAlive by a number of its own: two owners may keep one lease alive
+        # (each agent simulated in a process keeps its run's lease), each with its own.
         self._leases: dict[int, KeepAlive] = {}
+        self._slots = itertools.count(1)
         self._open: OnStream | None = None
         self._pending: Any = None  # the call or probe now in flight (close() cancels it)
         self._thread: threading.Thread | None = None
@@ -71,7 +75,8 @@ class _KeepAliveStream:
         with self._cond:
             if self._closed:
                 raise EtcdConnectionError("the etcd client is closed; create a new one")
-            self._leases[keepalive.lease_id] = keepalive
+            keepalive._slot = next(self._slots)
+            self._leases[keepalive._slot] = keepalive
             if self._open is not None and not self._open.done:
                 self._join(self._open, keepalive, self._client._clock())
             if self._thread is None:
@@ -103,17 +108,18 @@ class _KeepAliveStream:
     # -- bookkeeping (under self._cond) ---------------------------------------------------
 
     def _name(self) -> str:
-        return f"etcd-keepalive-{leases_text(self._leases, ',')}".rstrip("-")
+        ids = {ka.lease_id for ka in self._leases.values()}
+        return f"etcd-keepalive-{leases_text(ids, ',')}".rstrip("-")
 
     def _drop(self, keepalive: KeepAlive) -> None:
-        if self._leases.get(keepalive.lease_id) is not keepalive:
+        if self._leases.get(keepalive._slot) is not keepalive:
             return
-        del self._leases[keepalive.lease_id]
+        del self._leases[keepalive._slot]
         if self._thread is not None:
             self._thread.name = self._name()
         op = self._open
         if op is not None:
-            op.leave(keepalive.lease_id)
+            op.leave(keepalive._slot)
             if not self._leases and not op.done:
                 # Nothing left to keep alive: end the stream (not a failure of the member).
                 op.done = op.emptied = True
@@ -123,7 +129,7 @@ class _KeepAliveStream:
 
     @staticmethod
     def _join(op: OnStream, keepalive: KeepAlive, now: float) -> None:
-        op.join(keepalive.lease_id, keepalive._joined(), keepalive.interval, now)
+        op.join(keepalive._slot, keepalive._joined(), keepalive.interval, now)
 
     # -- the thread -----------------------------------------------------------------------
 
@@ -308,14 +314,15 @@ class _KeepAliveStream:
                 if op.done:
                     return
                 now = client._clock()
-                for lease_id, step in op.schedule.due(now):
-                    keepalive = self._leases.get(lease_id)
+                for slot, step in op.schedule.due(now):
+                    keepalive = self._leases.get(slot)
                     if keepalive is None:
                         continue
                     if step is Step.SEND:
-                        keepalive._sent(op.numbers[lease_id], now)
-                        op.schedule.sent(lease_id, now)
-                        sends.append(lease_id)
+                        keepalive._sent(op.numbers[slot], now)
+                        op.schedule.sent(slot, now)
+                        op.sent(keepalive.lease_id, slot)
+                        sends.append(keepalive.lease_id)
                     elif keepalive._hung(now, client.last_heard(op.index)):
                         # This member answered nothing since the keep-alive went out (or
                         # the lease runs out of guarantee): every lease tries the next.
@@ -323,7 +330,7 @@ class _KeepAliveStream:
                         op.hung = f"no answer within {keepalive.interval:.1f} s"
                         break
                     else:
-                        op.schedule.not_hung(lease_id, now)
+                        op.schedule.not_hung(slot, now)
                 if not sends and not op.done:
                     next_at = op.schedule.next_at()
                     self._cond.wait(None if next_at is None else max(0.0, next_at - now))
@@ -338,7 +345,8 @@ class _KeepAliveStream:
     def _answer(self, op: OnStream, rsp: Any) -> None:
         """One keep-alive answer of the stream: to its lease, and its next keep-alive."""
         with self._cond:
-            keepalive = self._leases.get(rsp.ID) if rsp.ID in op.numbers else None
+            slot = op.answered(rsp.ID)
+            keepalive = None if slot is None else self._leases.get(slot)
             self._quiet = False
         if keepalive is None:
             self._client._answered_by(op.index)  # for a lease closed meanwhile
@@ -352,7 +360,7 @@ class _KeepAliveStream:
             if not alive:
                 self._drop(keepalive)
             else:
-                op.schedule.answered(rsp.ID, self._client._clock(), keepalive.interval)
+                op.schedule.answered(keepalive._slot, self._client._clock(), keepalive.interval)
                 self._cond.notify_all()
 
     def _broke(self, endpoint: str, error: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -141,24 +142,41 @@ class Schedule:
 
 
 class OnStream:
-    """One stream on one member: the leases on it, their schedule, and how it ends.
-    Not thread-safe: the keep-alive stream's lock guards it."""
+    """One stream on one member: the keep-alives on it (each by its slot: one lease may
+    have several owners), their schedule, and how it ends. Not thread-safe: the
+    keep-alive stream's lock guards it."""
 
     def __init__(self, index: int, name: str) -> None:
         self.index = index  # the endpoint's index in the client's config
         self.name = name  # the endpoint
         self.schedule = Schedule()
-        self.numbers: dict[int, int] = {}  # lease -> its stream number (Liveness.sent)
+        self.numbers: dict[int, int] = {}  # slot -> its stream number (Liveness.sent)
+        # Per lease id, the slots whose keep-alives wait for an answer, oldest first:
+        # etcd answers a stream's requests in order, naming only the lease.
+        self._waiting: dict[int, deque[int]] = {}
         self.call: Any = None  # the gRPC call, once open
         self.done = False  # the stream is over: its requests stop
         self.hung = ""  # why the request side left the member as hung ("" if it did not)
         self.emptied = False  # ended because no lease was left: not a failure
 
-    def join(self, lease: int, number: int, interval: float, now: float) -> None:
-        """``lease`` (number ``number`` of its own streams) is kept alive here from now."""
-        self.numbers[lease] = number
-        self.schedule.add(lease, interval, now)
+    def join(self, slot: int, number: int, interval: float, now: float) -> None:
+        """Keep-alive ``slot`` (number ``number`` of its own streams) is here from now."""
+        self.numbers[slot] = number
+        self.schedule.add(slot, interval, now)
 
-    def leave(self, lease: int) -> None:
-        self.numbers.pop(lease, None)
-        self.schedule.remove(lease)
+    def leave(self, slot: int) -> None:
+        self.numbers.pop(slot, None)
+        self.schedule.remove(slot)
+
+    def sent(self, lease: int, slot: int) -> None:
+        """Keep-alive ``slot`` sent a request for ``lease``."""
+        self._waiting.setdefault(lease, deque()).append(slot)
+
+    def answered(self, lease: int) -> int | None:
+        """etcd answered a request for ``lease``: the slot that sent it (None: none did,
+        or it left the stream since; its answer goes to nobody)."""
+        waiting = self._waiting.get(lease)
+        if not waiting:
+            return None
+        slot = waiting.popleft()
+        return slot if slot in self.numbers else None
