@@ -1,6 +1,6 @@
 """One node's I/O for hang detection: publish its progress, read the others', declare.
 
-What the agent's hang watch (``agent/hang.py``) does through the rendezvous handler, kept
+What the agent's hang watch (``agent/health/hang.py``) does through the rendezvous handler, kept
 here so the handler stays a thin adapter. Three calls, none on a training step's path:
 
 * :meth:`ProgressBoard.publish` puts this node's :class:`NodeProgress` at

@@ -7,7 +7,7 @@ first (:func:`who_stopped_first`). The key is apart from ``nodes/`` on purpose: 
 coordinator watches ``nodes/``, and progress must not wake it.
 
 Everything here is pure except nothing: the codec and the rule. The agent side (reading
-the workers' progress file, publishing, declaring) is ``agent/hang.py``; the rule and its
+the workers' progress file, publishing, declaring) is ``agent/health/hang.py``; the rule and its
 limits are explained in ``docs/hang-detection.md``.
 """
 

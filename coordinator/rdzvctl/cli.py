@@ -79,7 +79,8 @@ commands:
   watch RUN         one line per change, as it happens, until Ctrl-C (or --count/--timeout)
   events RUN        the run's timeline in order: joins, departures with their cause,
                     rounds with ranks, restarts with their root cause, closes;
-                    --follow prints new ones until Ctrl-C; --json one object per line
+                    --follow prints new ones until Ctrl-C; --json one object per line;
+                    of the newest incarnation (--incarnation N: that one)
   timeline RUN -o F draw that timeline (F: .png, .svg or .pdf): nodes against time,
                     rounds as bands, faults marked (needs matplotlib)
   list              every run under --key-prefix with its state
@@ -241,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     timeline.add_argument("run", metavar="RUN", help="the run id (--rdzv-id of the agents)")
     timeline.add_argument("-o", "--output", dest="output", metavar="FILE", required=True,
                           help="the picture to write: .png, .svg or .pdf")  # fmt: skip
+    for sub in (events, timeline):
+        sub.add_argument("--incarnation", metavar="N", default=None,
+                         help="that start of the run (default: the newest)")  # fmt: skip
     command("list", "list the runs under the key prefix with their state")
     close = command("close", "end a run: agents finish their current attempt and exit 0")
     close.add_argument("run", metavar="RUN", help="the run id (--rdzv-id of the agents)")
@@ -275,6 +279,7 @@ class Options:
     dry_run: bool = False
     follow: bool = False
     output: str | None = None
+    incarnation: int | None = None
 
 
 def _reword(exc: ConfigError, old: str, new: str) -> str:
@@ -430,6 +435,9 @@ def _check(ns: argparse.Namespace, environ: Mapping[str, str]) -> Options:
             older_than = parse_duration(values["older_than"])
         except ValueError as exc:
             raise UsageError("--older-than", str(exc)) from None
+    incarnation = values.get("incarnation")
+    if incarnation is not None and not re.fullmatch(r"\s*[1-9]\d{0,9}\s*", incarnation):
+        raise UsageError("--incarnation", f"{incarnation!r} is not a whole number above 0")
     reason = values.get("reason")
     if reason is not None and not reason.strip():
         raise UsageError("--reason", "is empty: say why the run ends, or leave it out")
@@ -447,6 +455,7 @@ def _check(ns: argparse.Namespace, environ: Mapping[str, str]) -> Options:
         dry_run=bool(values.get("dry_run", False)),
         follow=bool(values.get("follow", False)),
         output=_output(values["output"]) if values.get("output") is not None else None,
+        incarnation=int(incarnation) if incarnation is not None else None,
     )
 
 

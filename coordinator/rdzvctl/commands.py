@@ -30,7 +30,7 @@ from coordinator.rdzvctl.format import (
     status_json,
     status_lines,
 )
-from coordinator.rdzvctl.history import read_history
+from coordinator.rdzvctl.history import pick_incarnation, read_history
 from coordinator.rdzvctl.model import RunSnapshot, list_runs, phase, read_run
 
 if TYPE_CHECKING:
@@ -135,9 +135,11 @@ def _list(client: EtcdClient, opts: Options, out: _Out) -> int:
 
 def _close(client: EtcdClient, opts: Options, out: _Out) -> int:
     from coordinator.core.executor import StateExecutor
+    from coordinator.core.run_lease import bind_existing_run_lease
 
     keys = _run_keys(opts)
     _require_run(client, keys)
+    bind_existing_run_lease(client, keys)
     reason = opts.reason or f"closed by an operator with rdzvctl on {socket.gethostname()}"
     outcome = StateExecutor(client, keys, written_by=_operator()).close(
         reason,
@@ -165,6 +167,7 @@ def _drain(client: EtcdClient, opts: Options, out: _Out) -> int:
     from coordinator.core.event_log import record_event
     from coordinator.core.events import Event
     from coordinator.core.executor import StateExecutor
+    from coordinator.core.run_lease import bind_existing_run_lease
     from coordinator.core.transitions import drain
 
     keys = _run_keys(opts)
@@ -175,12 +178,13 @@ def _drain(client: EtcdClient, opts: Options, out: _Out) -> int:
             f"node {node} is not alive in run {keys.run_id} (no key {keys.node(node).decode()}); "
             f"see {PROG} status {keys.run_id}"
         )
+    bind_existing_run_lease(client, keys)
     executor = StateExecutor(client, keys, written_by=_operator())
 
-    def asked(revision: int) -> None:
+    def asked(revision: int, incarnation: int) -> None:
         # The run's timeline: who asked, at the drain's revision (the node may be gone,
         # and its "drained" departure written, before this write lands).
-        event = Event("drain_requested", node_id=node, revision=revision)
+        event = Event("drain_requested", node_id=node, revision=revision, incarnation=incarnation)
         record_event(client, keys, event, written_by=_operator())
 
     for _ in range(_DRAIN_TRIES):
@@ -192,7 +196,7 @@ def _drain(client: EtcdClient, opts: Options, out: _Out) -> int:
         if done is not None and not done.succeeded:
             continue
         if done is not None:
-            asked(done.revision)
+            asked(done.revision, done.state.incarnation)
         if opts.json:
             out.data({"run_id": keys.run_id, "node_id": node, "changed": bool(actions)})
         elif not actions:
@@ -212,6 +216,18 @@ def _no_events(keys: RunKeys) -> _Failed:
         f"run {keys.run_id!r} has no events: nothing under {keys.events_prefix.decode()} "
         "(agents older than the run timeline record none)"
     )
+
+
+def _one_incarnation(keys: RunKeys, opts: Options, out: _Out, events: list[Event]) -> list[Event]:
+    """The events of the incarnation asked for (default: the newest); stderr says when
+    another incarnation's were left out."""
+    try:
+        picked, note = pick_incarnation(keys.run_id, events, opts.incarnation)
+    except ValueError as exc:
+        raise _Failed(str(exc)) from None
+    if note is not None:
+        out.err.write(f"{PROG}: {note}\n")
+    return picked
 
 
 def _events(client: EtcdClient, opts: Options, out: _Out) -> int:
@@ -236,7 +252,7 @@ def _events(client: EtcdClient, opts: Options, out: _Out) -> int:
             on_error(error)
         if not history.events:
             raise _no_events(keys)
-        for event in history.events:
+        for event in _one_incarnation(keys, opts, out, history.events):
             emit(event)
         return EXIT_OK
     inbox: queue.Queue[Any] = queue.Queue()
@@ -246,7 +262,9 @@ def _events(client: EtcdClient, opts: Options, out: _Out) -> int:
         # As watch: Ctrl-C only queues a stop; the loop ends at its next wake-up.
         previous = signal.signal(signal.SIGINT, lambda _sig, _frame: inbox.put(Stop()))
     try:
-        follow_history(client, keys, emit, on_error, inbox)
+        follow_history(
+            client, keys, emit, on_error, inbox, lambda got: _one_incarnation(keys, opts, out, got)
+        )
     finally:
         if installed:
             signal.signal(signal.SIGINT, previous)
@@ -263,8 +281,9 @@ def _timeline(client: EtcdClient, opts: Options, out: _Out) -> int:
         out.warn(f"skipped: {error}")
     if not history.events:
         raise _no_events(keys)
+    events = _one_incarnation(keys, opts, out, history.events)
     try:
-        data = prepare(keys.run_id, history.events)
+        data = prepare(keys.run_id, events)
     except ValueError as exc:
         raise _Failed(str(exc)) from None
     path = opts.output or ""
@@ -279,7 +298,7 @@ def _timeline(client: EtcdClient, opts: Options, out: _Out) -> int:
         raise _Failed(f"could not write {path}: {exc.strerror or exc}") from None
     out.lines(
         [f"wrote {path}: {len(data.nodes)} node(s), {len(data.bands)} round(s), "
-         f"{len(data.marks)} mark(s) from {len(history.events)} event(s)"]
+         f"{len(data.marks)} mark(s) from {len(events)} event(s)"]
     )  # fmt: skip
     return EXIT_OK
 

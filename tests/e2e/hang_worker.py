@@ -10,7 +10,7 @@ import argparse
 import os
 import time
 
-from agent.progress import report_progress
+from etcd_elastic import report_progress
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from agent.hang_rules import (
+from agent.health.hang_rules import (
     LocalProgress,
     Published,
     fold,
