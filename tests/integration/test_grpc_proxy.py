@@ -7,7 +7,8 @@ One ``etcd grpc-proxy`` in front of the session's 3-member cluster:
   connection open) within two, because the proxy renews a lease on its own clock for
   up to a TTL after its client's last keep-alive;
 * a lease revoked elsewhere is LOST; keep-alives and a quiet watch stay on the proxy (it
-  answers a keep-alive only with its own next renewal, and drops progress requests);
+  answers a keep-alive only with its own next renewal, and drops progress requests); a
+  single renewal (the run's lease, as an agent joins) answers within its budget;
 * with etcd auth on, our calls, leases and watches work through it;
 * a killed proxy: leases and watches go on through a second one;
 * what it saves the cluster: one keep-alive stream and one watcher for all its clients.
@@ -28,6 +29,7 @@ import pytest
 
 from benchmarks.grpc_proxy import measure
 from coordinator.core.etcd_client import EtcdClient, EtcdConfig, LeaseState
+from coordinator.core.keys import DEFAULT_KEY_PREFIX, RunKeys
 from coordinator.etcd_proxy import GrpcProxy
 from coordinator.etcd_server import EtcdCluster
 from coordinator.torch_adapter.handler import EtcdRendezvousHandler
@@ -69,13 +71,18 @@ def _lost_node(
         make_handler(proxy.endpoint, run_id, 2, 3, lease_ttl=ttl, last_call_timeout=30)
         for _ in range(2)
     ]
-    joins = Joins(handlers).start()
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     node = subprocess.Popen(
         [sys.executable, "-c", _NODE_SCRIPT, proxy.endpoint, run_id, str(ttl)],
         stdout=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     try:
+        # The two here join once the node process has (its start, torch's import, may
+        # take longer than their last call on a loaded machine).
+        nodes = RunKeys(DEFAULT_KEY_PREFIX, run_id).nodes_prefix
+        with _client([proxy.endpoint]) as client:
+            _eventually(lambda: client.count_prefix(nodes)[0] == 1, timeout=120)
+        joins = Joins(handlers).start()
         assert node.stdout is not None
         assert node.stdout.readline().startswith("rank")
         assert {i.world_size for i in joins.infos().values()} == {3}
@@ -137,6 +144,27 @@ def test_keepalives_stay_on_the_proxy_and_a_revoked_lease_is_lost(
         print(f"\nrevoked elsewhere, through the proxy: lost after {took:.2f} s (ttl 3 s)")
         for keepalive in keepalives:
             keepalive.close()
+
+
+def test_a_single_renewal_through_the_proxy_answers_within_its_budget(proxy: GrpcProxy) -> None:
+    # The run's lease is renewed once by each agent that joins (lease_refresh). The proxy
+    # answers a keep-alive only with its own next renewal: at once for a lease it does not
+    # keep yet, but up to a third of the TTL later for one it keeps alive for another
+    # client; and it drops a keep-alive whose stream ends before the answer.
+    with _client([proxy.endpoint]) as keeper, _client([proxy.endpoint]) as joiner:
+        lease = keeper.lease_grant(60)
+        keepalive = keeper.keep_alive(lease, 60)
+        _eventually(lambda: keepalive.endpoint is not None)  # the proxy keeps it now
+        began = time.monotonic()
+        assert 30 <= joiner.lease_refresh(lease) <= 60  # its time to live, renewed by the proxy
+        took = time.monotonic() - began
+        alone = joiner.lease_grant(30)  # a lease the proxy does not keep: renewed at once
+        assert joiner.lease_refresh(alone) == 30
+        joiner.lease_revoke(alone)
+        assert joiner.lease_refresh(alone) == 0
+        print(f"\nrenewal of a lease the proxy keeps for another client: {took:.2f} s")
+        assert took < 2 * joiner.config.request_timeout
+        keepalive.close()
 
 
 def test_a_quiet_watch_without_a_lease_stays_on_the_proxy(proxy: GrpcProxy, prefix: bytes) -> None:

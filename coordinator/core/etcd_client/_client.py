@@ -6,7 +6,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -188,26 +188,42 @@ class EtcdClient(_KV):
         """Renew the lease once (one keep-alive on a short stream of its own).
 
         Returns:
-            The lease's TTL (its full TTL from now on), or 0 when etcd has no such lease.
+            How long the lease lives from now on (its full TTL), or 0 when etcd has no
+            such lease. Through etcd's gRPC proxy, which answers a keep-alive only with
+            its own next renewal (a third of the TTL away, for a lease it keeps alive for
+            another client already), an answer not there within a second is replaced by
+            the lease's time to live, which the proxy's renewals keep up.
         """
         request = etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
 
         def refresh(stubs: Any, timeout: float, metadata: Metadata) -> int:
-            # etcd answers each request before it reads the end of the stream, so one
-            # request and the half-close that follows it get exactly one answer.
+            answered = threading.Event()
+
+            def requests() -> Iterator[Any]:
+                yield request
+                # The stream ends only once answered: the proxy drops an unanswered
+                # keep-alive at the end of its stream ("context canceled").
+                answered.wait(timeout)
+
+            wait = min(1.0, timeout / 2)
             call = stubs.lease.LeaseKeepAlive(
-                iter((request,)), timeout=timeout, metadata=_stream_metadata(metadata)
+                requests(), timeout=wait, metadata=_stream_metadata(metadata)
             )
             try:
                 for rsp in call:
                     return max(0, int(rsp.TTL))
             except grpc.RpcError as exc:
-                if "lease not found" in _status(exc)[1].lower():
+                code, details = _status(exc)
+                if "lease not found" in details.lower():
                     return 0
-                raise
+                if code != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
             finally:
+                answered.set()
                 call.cancel()
-            return 0
+            ask = etcdrpc.LeaseTimeToLiveRequest(ID=lease_id)
+            rsp = stubs.lease.LeaseTimeToLive(ask, timeout=timeout - wait, metadata=metadata)
+            return max(0, int(rsp.TTL))
 
         return self._unary(
             f"lease_refresh of lease {lease_id:x}", refresh, budget=budget, method="lease_refresh"
