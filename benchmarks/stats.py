@@ -5,6 +5,7 @@ Nothing here does I/O or reads a clock, so every function is unit-tested without
 
 from __future__ import annotations
 
+import contextlib
 import re
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
@@ -13,6 +14,7 @@ __all__ = [
     "ETCD_COUNTERS",
     "Summary",
     "counter_delta",
+    "counter_where",
     "etcd_activity",
     "parse_prometheus",
     "rank_problem",
@@ -23,6 +25,7 @@ __all__ = [
 Summary = dict[str, float | int | None]
 
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 # The etcd counters the benchmarks read, and what each one means for us:
 # - proposals committed: every request that changes state goes through raft and is
@@ -86,6 +89,21 @@ def parse_prometheus(text: str) -> dict[str, float]:
         name = match.group(1)
         totals[name] = totals.get(name, 0.0) + value
     return totals
+
+
+def counter_where(text: str, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples in a Prometheus text page whose labels include
+    ``labels`` (e.g. ``grpc_method="LeaseKeepAlive"``); 0 if there is none."""
+    total = 0.0
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match is None or match.group(1) != name:
+            continue
+        found = dict(_LABEL.findall(match.group(2) or ""))
+        if all(found.get(key) == value for key, value in labels.items()):
+            with contextlib.suppress(ValueError):
+                total += float(match.group(3))
+    return total
 
 
 def counter_delta(before: Mapping[str, float], after: Mapping[str, float], name: str) -> float:

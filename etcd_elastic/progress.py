@@ -15,10 +15,11 @@ Cost: a function call and two 8-byte stores, no system call and no clock read (m
 by ``python -m benchmarks.progress_call``). The agent creates a small file and passes its
 path in ``ETCD_ELASTIC_PROGRESS_FILE``; the first call maps it into memory (slot
 ``LOCAL_RANK``), every call then stores the step and the number of calls so far into the
-mapping. The agent reads the slots every fraction of a second, notes on its own
-monotonic clock when the count changed, and publishes the node's progress to etcd at most
-about once a second, so training steps never cause etcd writes. Every call is progress,
-even with the same step (an evaluation loop, a checkpoint may report the last step again).
+mapping. The agent reads the slots every fraction of a second and notes on its own
+monotonic clock when the count changed; it writes to etcd only when the node's workers
+made no progress for most of ``--hang-timeout``, so training steps never cause etcd
+writes. Every call is progress, even with the same step (an evaluation loop, a
+checkpoint may report the last step again).
 
 This module imports only the standard library (``mmap``, ``os``, ``struct``, ``tempfile``),
 so a worker pays nothing for it; the agent's reading side lives here too because both

@@ -1,15 +1,19 @@
-"""Hang detection on one node: read the workers' progress, publish it, declare a hang.
+"""Hang detection on one node: read the workers' progress, suspect, declare a hang.
 
 The agent owns one :class:`HangWatch`. Its thread (``hang-watch``) reads the progress
 file the workers write (:mod:`etcd_elastic.progress`) every
-:func:`~agent.health.hang_rules.tick_seconds`,
-notes on its own monotonic clock when each worker's step changed,
-publishes the node's progress to etcd when it changed (at most once per
-``publish_interval``) and, with ``--hang-timeout``, declares a hang when the node's
-workers made no progress for that long: it reads every node's progress once, names the
-node(s) that stopped first (:func:`coordinator.core.progress.who_stopped_first`) and
-records the hang in the state with one compare-and-swap (at most one per round). Every
-agent, this one included, learns of it from its watched state
+:func:`~agent.health.hang_rules.tick_seconds` and notes on its own monotonic clock when
+each worker's step changed. With ``--hang-timeout`` it writes to etcd only when there is
+something to tell: when the node's workers made no progress for most of the timeout
+(:func:`~agent.health.hang_rules.suspect_after_ns`) it writes the node's progress record
+(a **suspicion**), and it deletes it if they make progress again in that round. At the
+timeout it **declares a hang**: it reads every suspicion once, names the node(s) that
+stopped first (:func:`coordinator.core.progress.who_stopped_first`) and records the hang
+in the state with one compare-and-swap (at most one per round). A declaration that fails
+(etcd unreachable, the state kept changing) is tried again, with a bounded backoff, until
+it lands or the round ends. So a node whose workers make progress costs etcd nothing.
+
+Every agent, this one included, learns of a hang from its watched state
 (:attr:`EtcdRendezvousHandler.declared_hang`) and restarts its workers as a counted
 restart (:meth:`HangWatch.declared`, asked by the agent's loop).
 
@@ -18,23 +22,28 @@ own monotonic clock, and the first node to reach the timeout declares. With a ha
 that is not ours (no progress board), the hang is this node's alone: it restarts its
 workers counted, and the others follow through their own rendezvous.
 
-The loop never waits on this thread: publishing and declaring are RPCs, done here.
+The loop never waits on this thread: writing and declaring are RPCs, done here.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
 
 from agent.health.hang_rules import (
     LocalProgress,
-    Published,
+    RecordOp,
     Seen,
+    Suspicion,
+    declare_retry_seconds,
     fold,
     hang_line,
-    publish_due,
+    record_op,
+    suspect_after_ns,
+    suspicion,
     tick_seconds,
     track,
 )
@@ -52,7 +61,8 @@ __all__ = ["HangWatch", "HangWatchDied", "running_ranks"]
 
 log = logging.getLogger(__name__)
 
-# How long a declaration retries while the state keeps changing.
+# How long one declaration retries while the state keeps changing (then it is tried again
+# after a backoff, as after any failure).
 _DECLARE_TIMEOUT_S = 10.0
 
 
@@ -72,20 +82,20 @@ class HangWatchDied(RuntimeError):
 
 
 class HangWatch:
-    """Progress publishing and hang detection of one node.
+    """Hang detection of one node.
 
     Args:
-        hang_timeout: ``--hang-timeout`` seconds, or None (off: progress is still
-            published, nothing is ever declared).
+        hang_timeout: ``--hang-timeout`` seconds, or None (off: the workers' progress is
+            still read for ``on_step``; nothing is written to etcd, nothing declared).
         slots: local workers.
         rdzv: the rendezvous surface (ours has a progress board and declared hangs).
         running: the local ranks whose workers run now (empty: none to judge).
         wake: wakes the agent's loop (a hang was declared).
         on_hang: told of every hang this node declares (a hook for the run's events).
         on_step: told of the node's lowest step at each reading (the metrics' gauge).
-        publish_interval: seconds between two writes of a changing step.
         clock_ns: monotonic ns (the workers' clock: ``time.monotonic_ns``).
         wall_ms: wall-clock ms, informational only.
+        jitter: a number in [0, 1) per retry (spreads the retries of many nodes).
     """
 
     def __init__(
@@ -98,11 +108,12 @@ class HangWatch:
         *,
         on_hang: Callable[[Hang], None] | None = None,
         on_step: Callable[[int], None] = lambda _step: None,
-        publish_interval: float = 1.0,
         clock_ns: Callable[[], int] = time.monotonic_ns,
         wall_ms: Callable[[], int] = lambda: int(time.time() * 1000),
+        jitter: Callable[[], float] = random.random,
     ) -> None:
         self._timeout_ns = None if hang_timeout is None else int(hang_timeout * 1e9)
+        self._suspect_ns = None if self._timeout_ns is None else suspect_after_ns(self._timeout_ns)
         self._tick = tick_seconds(hang_timeout)
         self._file = ProgressFile(slots)
         self._rdzv = rdzv
@@ -110,19 +121,21 @@ class HangWatch:
         self._wake = wake
         self._on_hang = on_hang
         self._on_step = on_step
-        self._interval = publish_interval
         self._clock_ns = clock_ns
         self._wall_ms = wall_ms
+        self._jitter = jitter
         self._node = rdzv.node_id
-        self._lock = threading.Lock()  # leaf: guards the four fields below
+        self._lock = threading.Lock()  # leaf: guards the three fields below
         self._round: int | None = None  # the round being judged; None: workers stopped
-        self._published: Published | None = None
-        self._declared_round: int | None = None
         self._local_hang: Hang | None = None  # a handler without a board: ours alone
-        self._seen: list[Seen | None] = []  # the thread's own: per local rank
         self._fresh = False  # begin() was called: forget what the thread saw
+        # The thread's own:
+        self._seen: list[Seen | None] = []  # per local rank
+        self._written: Suspicion | None = None  # what this node's record in etcd says
+        self._settled: int | None = None  # the round whose hang is recorded (or over)
+        self._failures = 0  # etcd calls that failed in a row
+        self._retry_at_ns = 0  # after a failure: no etcd call before this
         self._died: ThreadDied | None = None
-        self._warned = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -137,7 +150,7 @@ class HangWatch:
         attempt's progress and judge this one."""
         self._file.reset()
         with self._lock:
-            self._round, self._published, self._local_hang = round, None, None
+            self._round, self._local_hang = round, None
             self._fresh = True
         if self._thread is None:
             self._thread = start_guarded("hang-watch", self._run, self._died_with)
@@ -184,43 +197,61 @@ class HangWatch:
                 continue
             self._seen = track(self._seen, self._file.read(), self._clock_ns())
             local = fold(self._seen, self._running())
-            if local is None:
-                continue
-            self._on_step(local.step)
-            try:
+            if local is not None:
+                self._on_step(local.step)
+            if self._timeout_ns is not None and self._clock_ns() >= self._retry_at_ns:
                 self._observe(round, local)
-            except EtcdElasticError as exc:
-                # etcd unreachable or refusing: training goes on; say it once.
-                if not self._warned:
-                    log.warning(
-                        "node %s: progress or hang not written to etcd: %s", self._node, exc
-                    )
-                    self._warned = True
 
-    def _observe(self, round: int, local: LocalProgress) -> None:
-        silent_ns = self._clock_ns() - local.last_ns
-        stalled = self._timeout_ns is not None and silent_ns >= self._timeout_ns
-        now = self._clock_ns() / 1e9
-        board = self._board()
-        with self._lock:
-            last = self._published
-        due = board is not None and publish_due(last, local.step, stalled, now, self._interval)
-        if due and board is not None and board.publish(self._record(round, local, silent_ns)):
-            with self._lock:
-                self._published = Published(local.step, stalled, now)
-            self._warned = False
-        with self._lock:
-            declare = stalled and self._declared_round != round and self._round == round
-            if declare:
-                self._declared_round = round
-        if declare:
-            self._declare(board, round, local, silent_ns)
+    def _observe(self, round: int, local: LocalProgress | None) -> None:
+        silent_ns = 0 if local is None else self._clock_ns() - local.last_ns
+        wanted = suspicion(round, local, silent_ns, self._suspect_ns)
+        op = record_op(self._written, wanted, round)
+        due = self._timeout_ns is not None and silent_ns >= self._timeout_ns
+        declare = local is not None and due and self._settled != round
+        if op is RecordOp.KEEP and not declare:
+            return  # the healthy case, every tick: nothing to tell etcd
+        board = self._rdzv.progress_board()
+        try:
+            if board is not None and op is not RecordOp.KEEP:
+                self._keep_record(board, op, wanted, round, local, silent_ns)
+            if declare and local is not None:
+                self._declare(board, round, local, silent_ns)
+        except EtcdElasticError as exc:
+            # etcd unreachable or refusing: training goes on; try again after a backoff.
+            self._failures += 1
+            delay = declare_retry_seconds(self._failures, self._jitter())
+            self._retry_at_ns = self._clock_ns() + int(delay * 1e9)
+            if self._failures == 1:
+                log.warning("node %s: hang detection could not write to etcd (%s); trying "
+                            "again until it does", self._node, exc)  # fmt: skip
+            return
+        if self._failures:
+            log.info("node %s: hang detection reached etcd again after %d failed "
+                     "attempt(s)", self._node, self._failures)  # fmt: skip
+        self._failures = 0
 
-    def _board(self) -> ProgressBoard | None:
-        return self._rdzv.progress_board()
+    def _keep_record(
+        self,
+        board: ProgressBoard,
+        op: RecordOp,
+        wanted: Suspicion | None,
+        round: int,
+        local: LocalProgress | None,
+        silent_ns: int,
+    ) -> None:
+        """Write this node's suspicion, or delete it (only on a change: ``op``)."""
+        if op is RecordOp.WRITE and local is not None:
+            if board.publish(self._record(round, local, silent_ns)):
+                log.info("node %s: workers made no progress for %.1f s at step %d in round "
+                         "%d: suspecting a hang", self._node, silent_ns / 1e9, local.step,
+                         round)  # fmt: skip
+                self._written = wanted
+        elif op is RecordOp.DELETE:
+            board.withdraw()
+            log.info("node %s: workers made progress again in round %d", self._node, round)
+            self._written = None
 
     def _record(self, round: int, local: LocalProgress, silent_ns: int) -> NodeProgress:
-        stalled = self._timeout_ns is not None and silent_ns >= self._timeout_ns
         age_ms = silent_ns // 1_000_000
         return NodeProgress(
             node_id=self._node,
@@ -230,31 +261,43 @@ class HangWatch:
             reported_at_unix_ms=self._wall_ms() - age_ms,
             workers_reporting=local.reporting,
             local_world_size=self._file.slots,
-            stalled=stalled,
+            stalled=True,
             hang_timeout_ms=(self._timeout_ns or 0) // 1_000_000,
         )
 
     def _declare(
         self, board: ProgressBoard | None, round: int, local: LocalProgress, silent_ns: int
     ) -> None:
+        """Declare the hang of ``round``; the round is settled once a hang of it is in the
+        state (ours or another node's) or it is over. Raises EtcdElasticError when the
+        declaration did not land: the thread tries again."""
+        with self._lock:
+            if self._round != round:
+                return  # the loop stopped the workers meanwhile
         stalled_ms = silent_ns // 1_000_000
         if board is None:
             hang = Hang(round, (self._node,), local.step, False, self._node, stalled_ms,
                         self._wall_ms())  # fmt: skip
             with self._lock:
                 self._local_hang = hang
+            self._settled = round
             log.warning("node %s: %s", self._node, hang_line(hang))
         else:
-            blame = who_stopped_first(self._node, local.step, board.read(), round)
-            mine = Hang(round, blame.nodes, blame.step, blame.behind, self._node, stalled_ms,
-                        self._wall_ms())  # fmt: skip
-            held = board.declare(mine, _DECLARE_TIMEOUT_S)
+            held = self._rdzv.declared_hang  # in our view already: nothing to read
+            if held is None or held.round != round:
+                members = self._rdzv.last_members if self._rdzv.last_round == round else ()
+                blame = who_stopped_first(self._node, local.step, board.read(), round, members)
+                mine = Hang(round, blame.nodes, blame.step, blame.behind, self._node,
+                            stalled_ms, self._wall_ms())  # fmt: skip
+                held = board.declare(mine, _DECLARE_TIMEOUT_S)
+            self._settled = round
             if held is None:
                 return  # the round ended meanwhile: nothing hangs any more
-            if held is not mine:
+            if held.declared_by != self._node:
                 log.info("node %s: the hang was declared by %s first", self._node,
                          held.declared_by)  # fmt: skip
                 return
+            # Ours, or an earlier attempt of ours whose answer was lost: say it once.
             hang = held
             log.warning(
                 "node %s: workers made no progress for %.1f s at step %d: declared a hang "

@@ -1,5 +1,6 @@
-"""Pure rules of hang detection on one node: fold the workers' slots, decide when to
-publish, when the node is stalled, and how to say it (``docs/hang-detection.md``).
+"""Pure rules of hang detection on one node: fold the workers' slots, decide when the
+node suspects a hang and what to write or delete, when to retry a declaration, and how
+to say it (``docs/hang-detection.md``).
 
 No clock, no file, no etcd: :mod:`agent.health.hang` reads and writes, these decide.
 """
@@ -8,15 +9,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 
+from coordinator.core.etcd_client import backoff_delay
 from coordinator.core.state import Hang
 
 __all__ = [
     "LocalProgress",
-    "Published",
+    "RecordOp",
+    "Suspicion",
+    "declare_retry_seconds",
     "fold",
     "hang_line",
-    "publish_due",
+    "record_op",
+    "suspect_after_ns",
+    "suspicion",
     "tick_seconds",
     "track",
 ]
@@ -25,6 +32,12 @@ __all__ = [
 # most one tick late and the stall is judged each tick, so detection lags the timeout by
 # at most two ticks (plus a compare-and-swap): within "timeout + 1 s".
 _MAX_TICK_S = 0.25
+# At most this long between a node's suspicion (its record written) and its timeout.
+_SUSPECT_MARGIN_NS = 10_000_000_000
+# A declaration that failed (etcd unreachable, the state kept changing) is retried after
+# this, doubling up to the cap, until it lands or the round ends.
+_RETRY_BASE_S = 0.25
+_RETRY_CAP_S = 2.0
 
 Seen = tuple[int, int, int]
 """A worker's last step, its count of calls, and when the agent saw the count change
@@ -80,24 +93,70 @@ def fold(slots: Sequence[Seen | None], running: frozenset[int]) -> LocalProgress
 
 
 @dataclass(frozen=True)
-class Published:
-    """What this node last wrote to etcd, and when (monotonic seconds)."""
+class Suspicion:
+    """What this node's progress record says while it suspects a hang: the round and the
+    step it stalled at (no record: the node is not suspected)."""
 
+    round: int
     step: int
-    stalled: bool
-    at: float
 
 
-def publish_due(
-    last: Published | None, step: int, stalled: bool, now: float, interval: float
-) -> bool:
-    """Whether to write the node's record now: the first report of a round, a change of
-    ``stalled`` (at once), or a new step once ``interval`` passed since the last write (so
-    a step that changed while the last write was recent goes out on a later tick, and
-    etcd sees at most one write per ``interval`` however fast the steps are)."""
-    if last is None or stalled != last.stalled:
-        return True
-    return step != last.step and now - last.at >= interval
+def suspect_after_ns(timeout_ns: int) -> int:
+    """The silence after which a node writes its progress record: the timeout less a
+    margin of half the timeout, at most ``10 s``.
+
+    The margin is the time every stalled node has to get its record into etcd before the
+    first of them reaches the timeout and reads the records: in a collective hang the
+    nodes stall within a step of each other. Above it, a healthy pause without reports
+    (an evaluation, a checkpoint) writes nothing unless it lasts longer than this.
+    """
+    return timeout_ns - min(timeout_ns // 2, _SUSPECT_MARGIN_NS)
+
+
+def suspicion(
+    round: int, local: LocalProgress | None, silent_ns: int, suspect_ns: int | None
+) -> Suspicion | None:
+    """The record this node's progress should have in etcd now: one while its running
+    workers made no progress for ``suspect_ns`` (None: detection off), else none."""
+    if suspect_ns is None or local is None or silent_ns < suspect_ns:
+        return None
+    return Suspicion(round, local.step)
+
+
+class RecordOp(Enum):
+    """What to do to this node's progress record in etcd (:func:`record_op`)."""
+
+    #: Leave it as it is (nothing changed, or a record of an earlier round).
+    KEEP = "keep"
+    #: Write the wanted suspicion (a new one, or the step it stalled at changed).
+    WRITE = "write"
+    #: Delete it: the node made progress again in the round of its record.
+    DELETE = "delete"
+
+
+def record_op(written: Suspicion | None, wanted: Suspicion | None, round: int | None) -> RecordOp:
+    """What to do to this node's record, given what it says (``written``) and what it
+    should say (``wanted``, from :func:`suspicion`) while the node judges ``round`` (None:
+    its workers are being stopped).
+
+    Written only on a change; deleted when the node makes progress again in the round of
+    its record, so the node that declares never takes one that recovered for a stalled
+    one. A record of an earlier round is left as it is: the rule reads only the current
+    round's, ``rdzvctl status`` shows it as that round's, and it goes with the node's
+    lease or its next suspicion. So a healthy node writes nothing.
+    """
+    if wanted is not None:
+        return RecordOp.WRITE if wanted != written else RecordOp.KEEP
+    if written is not None and written.round == round:
+        return RecordOp.DELETE
+    return RecordOp.KEEP
+
+
+def declare_retry_seconds(failures: int, jitter: float) -> float:
+    """How long to wait before declaring again after ``failures`` (>= 1) failed attempts
+    in a row: from 0.25 s doubling to at most 2 s (``jitter`` in [0, 1) spreads it over its
+    upper half). Tried until it lands or the round ends; never while the node progresses."""
+    return backoff_delay(failures - 1, jitter, _RETRY_BASE_S, _RETRY_CAP_S)
 
 
 def tick_seconds(hang_timeout: float | None) -> float:

@@ -1,6 +1,7 @@
-"""What the tests of coordinator.core.etcd_client share: a client factory, a bounded poll,
-a watch-callback recorder, a lease-callback recorder, and a lease-owning child program to
-freeze with SIGSTOP (their fixtures are in ``conftest.py``).
+"""What the tests of coordinator.core.etcd_client share: a client factory, a client behind
+a TCP fault proxy, a bounded poll, a watch-callback recorder, a lease-callback recorder,
+and a lease-owning child program to freeze with SIGSTOP (their fixtures are in
+``conftest.py``).
 
 Run as ``python -m tests.integration.etcd_client_support ENDPOINTS TTL KEY`` it is that
 child: it takes a lease, puts KEY on it, keeps it alive and prints one JSON line per
@@ -9,16 +10,27 @@ event (``ready``, ``unreachable``, ``reachable``, ``lost``) until the lease is l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from coordinator.core.etcd_client import EtcdClient, EtcdConfig, Outage, WatchEvent
+from coordinator.etcd_server import EtcdCluster
+from tests.chaos.proxy import TcpFaultProxy
 
-__all__ = ["LeaseEvents", "Recorder", "_client", "_eventually"]
+__all__ = [
+    "LeaseEvents",
+    "Recorder",
+    "_FirstEndpoint",
+    "_behind_a_proxy",
+    "_client",
+    "_eventually",
+]
 
 
 def _client(endpoints: list[str], **kwargs: Any) -> EtcdClient:
@@ -34,6 +46,28 @@ def _eventually(predicate: Any, timeout: float = 10.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"condition not met within {timeout} s"
         pause.wait(0.02)
+
+
+class _FirstEndpoint:
+    """An rng whose first pick is endpoint 0, so the dead endpoint is tried first."""
+
+    def randrange(self, n: int) -> int:
+        return 0
+
+    def random(self) -> float:
+        return 0.5
+
+
+@contextlib.contextmanager
+def _behind_a_proxy(
+    etcd: EtcdCluster, name: str, **options: Any
+) -> Iterator[tuple[TcpFaultProxy, EtcdClient]]:
+    """A client whose first endpoint is a fault proxy of member 0, the second member 0."""
+    host, port = etcd.endpoints[0].rsplit(":", 1)
+    with TcpFaultProxy((host, int(port)), name=name) as proxy:
+        endpoints = [proxy.endpoint, etcd.endpoints[0]]
+        with _client(endpoints, rng=_FirstEndpoint(), **options) as client:
+            yield proxy, client
 
 
 class Recorder:

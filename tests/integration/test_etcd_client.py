@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -27,12 +26,14 @@ from coordinator.core.etcd_client import EtcdClient, EtcdConfig, KeyValue
 from coordinator.core.etcd_client._client import earlier_grant_applied
 from coordinator.core.ports import free_ports
 from coordinator.etcd_server import EtcdCluster, find_etcd_binary, free_port
-from tests.chaos.proxy import Mode, TcpFaultProxy
+from tests.chaos.proxy import Mode
 from tests.integration.etcd_client_support import (
     LeaseEvents,
     Recorder,
+    _behind_a_proxy,
     _client,
     _eventually,
+    _FirstEndpoint,
 )
 
 # Every thread a test's clients started is gone once they are closed.
@@ -212,28 +213,6 @@ def test_a_granted_lease_has_the_id_the_client_chose_and_a_second_grant_of_it_is
 
 
 # -- failover -----------------------------------------------------------------------------
-
-
-class _FirstEndpoint:
-    """An rng whose first pick is endpoint 0, so the dead endpoint is tried first."""
-
-    def randrange(self, n: int) -> int:
-        return 0
-
-    def random(self) -> float:
-        return 0.5
-
-
-@contextlib.contextmanager
-def _behind_a_proxy(
-    etcd: EtcdCluster, name: str, **options: Any
-) -> Iterator[tuple[TcpFaultProxy, EtcdClient]]:
-    """A client whose first endpoint is a fault proxy of member 0, the second member 0."""
-    host, port = etcd.endpoints[0].rsplit(":", 1)
-    with TcpFaultProxy((host, int(port)), name=name) as proxy:
-        endpoints = [proxy.endpoint, etcd.endpoints[0]]
-        with _client(endpoints, rng=_FirstEndpoint(), **options) as client:
-            yield proxy, client
 
 
 def _leases_granted(etcd: EtcdCluster) -> float:

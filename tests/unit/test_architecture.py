@@ -23,6 +23,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "coordinator.rdzvctl": ("coordinator.rdzvctl", "coordinator.core"),
     "coordinator.torch_adapter": ("coordinator.torch_adapter", "coordinator.core"),
     "coordinator.etcd_server": ("coordinator.core",),
+    "coordinator.etcd_proxy": ("coordinator.core", "coordinator.etcd_server"),
     "agent": (
         "agent",
         "coordinator.torch_adapter",
@@ -34,7 +35,13 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "etcd_elastic": ("etcd_elastic",),
 }
 # The core and the operator CLI run where torch may be absent (and must start fast).
-NO_TORCH = ("coordinator.core", "coordinator.rdzvctl", "coordinator.etcd_server", "etcd_elastic")
+NO_TORCH = (
+    "coordinator.core",
+    "coordinator.rdzvctl",
+    "coordinator.etcd_server",
+    "coordinator.etcd_proxy",
+    "etcd_elastic",
+)
 OURS = ("coordinator", "agent", "benchmarks", "tests", "examples", "etcd_elastic")
 # The agent's wings, lowest first: a wing may import the wings before it, never after
 # (docs/architecture.md). The modules at the top of ``agent`` that every wing shares

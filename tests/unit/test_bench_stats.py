@@ -12,6 +12,7 @@ from benchmarks.scenarios import formation_bound
 from benchmarks.stats import (
     ETCD_COUNTERS,
     counter_delta,
+    counter_where,
     etcd_activity,
     parse_prometheus,
     rank_problem,
@@ -60,6 +61,16 @@ def test_parse_prometheus_sums_labels_and_skips_comments() -> None:
     assert totals["etcd_disk_wal_fsync_duration_seconds_sum"] == 0.25
     assert "broken_value" not in totals
     assert "not" not in totals
+
+
+def test_counter_where_sums_the_samples_whose_labels_match() -> None:
+    received = "grpc_server_msg_received_total"
+    assert counter_where(PAGE, received, grpc_method="Txn") == 5.0
+    assert counter_where(PAGE, received, grpc_service="etcdserverpb.KV") == 15.0
+    assert counter_where(PAGE, received) == 15.0
+    assert counter_where(PAGE, received, grpc_method="LeaseKeepAlive") == 0.0
+    assert counter_where(PAGE, "etcd_server_proposals_committed_total") == 42.0
+    assert counter_where(PAGE, "broken_value") == 0.0
 
 
 def test_counter_delta_counts_a_missing_counter_as_zero() -> None:

@@ -16,11 +16,12 @@ Error boundary: no ``grpc.RpcError`` leaves this package. Every failure becomes 
   ``EtcdConfig`` → ``ConfigError`` at construction.
 
 Threads: a client owns at most one watch thread (all watches share one gRPC stream) and
-one thread per :class:`KeepAlive`; gRPC adds one request-feeding thread per stream. All
-are daemon threads started through ``coordinator.core.threads.start_guarded`` and joined
-by :meth:`EtcdClient.close`. One that dies of an unexpected exception ends what it served
-with an error its owner hears of (the watches' ``on_error``, the lease's FAILED state and
-``on_lost``) and is reported to the client's death listeners. Construction does no
+one keep-alive thread (all its leases share one gRPC stream, as in etcd's Go client);
+gRPC adds one request-feeding thread per stream. All are daemon threads started through
+``coordinator.core.threads.start_guarded`` and joined by :meth:`EtcdClient.close`. One
+that dies of an unexpected exception ends what it served with an error its owner hears of
+(the watches' ``on_error``, every lease's FAILED state and ``on_lost``) and is reported
+to the client's death listeners. Construction does no
 network I/O: the first call connects and authenticates.
 
 Timers: only a call's own ``retry_budget`` (and ``Watch.wait_created``'s timeout) ends a
@@ -39,9 +40,13 @@ Layout, one concept per module (import from this package, not from them):
 * ``_kv``: KV calls and revision-guarded transactions (the next layer);
 * ``_client``: ``EtcdClient``: leases, keep-alives, watches, thread deaths;
 * ``_liveness``: ``LeaseState`` and the pure rules of a lease's keep-alive;
-* ``_keepalive``: ``KeepAlive``, one keep-alive stream per lease;
+* ``_keepalive``: ``KeepAlive``, what the owner of one lease sees;
+* ``_keepalive_stream``: the keep-alive thread, every lease of a client on one stream;
+* ``_schedule``: when each lease on that stream sends its next keep-alive (pure);
 * ``_watch``: ``Watch``, one watch and how it ends;
 * ``_watcher``: the watch thread, every watch of a client on one resumable stream;
+* ``_watch_probe``: what that stream sends when its member is silent (a progress
+  request, or a read where the member is an etcd gRPC proxy);
 * ``_observer``: ``EtcdObserver``, what the client reports (calls, failed attempts,
   keep-alive round trips, answers) to whoever measures it (the agent's metrics).
 """

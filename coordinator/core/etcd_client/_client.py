@@ -6,7 +6,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -16,6 +16,7 @@ from coordinator.core.errors import EtcdConnectionError, LeaseLostError
 from coordinator.core.etcd_client._connection import Metadata, _stream_metadata
 from coordinator.core.etcd_client._failover import NOT_FOUND, _status, classify_status
 from coordinator.core.etcd_client._keepalive import KeepAlive, OnReachable, OnUnreachable
+from coordinator.core.etcd_client._keepalive_stream import _KeepAliveStream
 from coordinator.core.etcd_client._kv import _KV, _check_prefix
 from coordinator.core.etcd_client._observer import EtcdObserver
 from coordinator.core.etcd_client._types import EtcdConfig, WatchEvent, prefix_range_end
@@ -52,9 +53,9 @@ class EtcdClient(_KV):
     One instance may be shared by many threads. Every KV call returns etcd's header
     revision with its result, so callers can watch from exactly the revision they read.
 
-    Background threads (the watch thread, one per keep-alive) cannot die silently: an
+    Background threads (the watch thread, the keep-alive thread) cannot die silently: an
     unexpected exception in one is logged, ends what it served (every open watch gets
-    ``on_error``; the keep-alive's lease turns FAILED and its ``on_lost`` runs) and is
+    ``on_error``; every lease it kept alive turns FAILED and its ``on_lost`` runs) and is
     handed to every death listener as a ``ThreadDied``.
 
     Args:
@@ -82,6 +83,7 @@ class EtcdClient(_KV):
     ) -> None:
         super().__init__(config, clock=clock, sleep=sleep, rng=rng, observer=observer)
         self._keepalives: set[KeepAlive] = set()
+        self._keepalive_stream = _KeepAliveStream(self)
         self._lock = threading.Lock()
         self._death_listeners: list[DeathListener] = []
         if on_thread_death is not None:
@@ -186,26 +188,42 @@ class EtcdClient(_KV):
         """Renew the lease once (one keep-alive on a short stream of its own).
 
         Returns:
-            The lease's TTL (its full TTL from now on), or 0 when etcd has no such lease.
+            How long the lease lives from now on (its full TTL), or 0 when etcd has no
+            such lease. Through etcd's gRPC proxy, which answers a keep-alive only with
+            its own next renewal (a third of the TTL away, for a lease it keeps alive for
+            another client already), an answer not there within a second is replaced by
+            the lease's time to live, which the proxy's renewals keep up.
         """
         request = etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
 
         def refresh(stubs: Any, timeout: float, metadata: Metadata) -> int:
-            # etcd answers each request before it reads the end of the stream, so one
-            # request and the half-close that follows it get exactly one answer.
+            answered = threading.Event()
+
+            def requests() -> Iterator[Any]:
+                yield request
+                # The stream ends only once answered: the proxy drops an unanswered
+                # keep-alive at the end of its stream ("context canceled").
+                answered.wait(timeout)
+
+            wait = min(1.0, timeout / 2)
             call = stubs.lease.LeaseKeepAlive(
-                iter((request,)), timeout=timeout, metadata=_stream_metadata(metadata)
+                requests(), timeout=wait, metadata=_stream_metadata(metadata)
             )
             try:
                 for rsp in call:
                     return max(0, int(rsp.TTL))
             except grpc.RpcError as exc:
-                if "lease not found" in _status(exc)[1].lower():
+                code, details = _status(exc)
+                if "lease not found" in details.lower():
                     return 0
-                raise
+                if code != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
             finally:
+                answered.set()
                 call.cancel()
-            return 0
+            ask = etcdrpc.LeaseTimeToLiveRequest(ID=lease_id)
+            rsp = stubs.lease.LeaseTimeToLive(ask, timeout=timeout - wait, metadata=metadata)
+            return max(0, int(rsp.TTL))
 
         return self._unary(
             f"lease_refresh of lease {lease_id:x}", refresh, budget=budget, method="lease_refresh"
@@ -250,7 +268,8 @@ class EtcdClient(_KV):
         on_reachable: OnReachable | None = None,
         granted_at: float | None = None,
     ) -> KeepAlive:
-        """Keep the lease alive on one long-lived stream until closed or lost.
+        """Keep the lease alive until closed or lost, on the client's one long-lived
+        keep-alive stream (shared by all its leases; the first lease opens it).
 
         Never gives up while etcd is silent: the lease is lost only when etcd says so
         (:class:`KeepAlive` has the states and what each means for safety). Callbacks
@@ -364,6 +383,7 @@ class EtcdClient(_KV):
             keepalives = list(self._keepalives)
         for keepalive in keepalives:
             keepalive.close(revoke=False)
+        self._keepalive_stream.close()
         self._watcher.close()
         self._channels.close()
 

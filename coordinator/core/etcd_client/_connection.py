@@ -8,7 +8,7 @@ import random
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from etcd3 import etcdrpc
@@ -33,7 +33,7 @@ from coordinator.core.etcd_client._failover import (
 from coordinator.core.etcd_client._observer import EtcdObserver, Observed
 from coordinator.core.etcd_client._types import EtcdConfig, key_text
 
-__all__ = ["Metadata", "_Connection", "_stream_metadata"]
+__all__ = ["Metadata", "StreamEnd", "_Connection", "_stream_metadata"]
 
 log = logging.getLogger("coordinator.core.etcd_client")  # one logger for the whole package
 Metadata = tuple[tuple[str, str], ...] | None
@@ -117,6 +117,14 @@ class _Channels:
             self._open.clear()
         for channel in channels:
             channel.close()
+
+
+class StreamEnd(NamedTuple):
+    """How one attempt at a long-lived stream (watch, keep-alive) ended."""
+
+    kind: str  # a failure kind of _failover (RETRY, REAUTH, ...); "" if it was no failure
+    metadata: Metadata  # the token it used (to invalidate on REAUTH)
+    answered: bool  # etcd answered at least once (resets the backoff)
 
 
 def _stream_metadata(metadata: Metadata) -> tuple[tuple[str, str], ...]:

@@ -1,7 +1,9 @@
-"""KeepAlive: one long-lived keep-alive stream per lease, on its own guarded thread.
+"""KeepAlive: the keep-alive of one lease, on its client's one keep-alive stream.
 
 A lease is lost only when etcd says so; silence makes it UNREACHABLE, never LOST (see
-``_liveness``, which holds the rules and the states).
+``_liveness``, which holds the rules and the states). The stream, its thread, failover and
+pacing are in ``_keepalive_stream``; this is what the owner of one lease sees, and what
+the stream tells it.
 """
 
 from __future__ import annotations
@@ -9,26 +11,11 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple
-
-import grpc
-from etcd3 import etcdrpc
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from coordinator.core.errors import EtcdConnectionError
-from coordinator.core.etcd_client._connection import Metadata, _stream_metadata
-from coordinator.core.etcd_client._failover import (
-    NOT_FOUND,
-    REAUTH,
-    RETRY,
-    _code_name,
-    _status,
-    backoff_delay,
-    classify_status,
-)
 from coordinator.core.etcd_client._liveness import Change, LeaseState, Liveness, Outage
-from coordinator.core.etcd_client._observer import NO_ANSWER, STREAM_ENDED
-from coordinator.core.threads import ThreadDied, start_guarded
 
 if TYPE_CHECKING:
     from coordinator.core.etcd_client._client import EtcdClient
@@ -41,26 +28,22 @@ OnUnreachable = Callable[[Outage], None]
 OnReachable = Callable[[float], None]
 
 
-class _Attempt(NamedTuple):
-    """How one attempt at a stream ended."""
-
-    kind: str  # a failure kind of _failover (RETRY, REAUTH, ...)
-    metadata: Metadata  # the token it used (to invalidate on REAUTH)
-    answered: bool  # etcd answered at least once (resets the backoff)
-
-
 class KeepAlive:
-    """One long-lived keep-alive stream for one lease.
+    """The keep-alive of one lease.
 
-    Sends a keep-alive about every ``ttl / 3`` and reads the answers. A keep-alive left
-    unanswered for an interval makes the member hung, and the stream is reopened on the
-    next endpoint, if the member answered nothing else on this client since it went out
-    or the lease's guarantee runs out within an interval (``Liveness.member_hung``): an
-    overloaded member that answers late is not left, since reopening adds load and, under
-    a thousand nodes joining at once, turned slow answers into expired leases. Before each
-    reopen, one time-to-live request bounded by the interval asks etcd whether the lease
-    still exists (a stream on a channel still connecting would block unnoticed; and its
-    answer is etcd's word on the lease); the first stream after a grant skips it.
+    Every lease of a client is kept alive on the client's one long-lived keep-alive stream
+    (as etcd's Go client does), read by one guarded thread: a lease's next keep-alive goes
+    out about ``ttl / 3`` after etcd answered the previous one. A keep-alive left
+    unanswered for an interval makes the member hung, and the stream, with every lease on
+    it, is reopened on the next endpoint, if the member answered nothing else on this
+    client since it went out or the lease's guarantee runs out within an interval
+    (``Liveness.member_hung``): an overloaded member that answers late is not left, since
+    reopening adds load and, under a thousand nodes joining at once, turned slow answers
+    into expired leases. Before each reopen, one time-to-live request bounded by the
+    interval asks etcd whether the most urgent lease still exists (a stream on a channel
+    still connecting would block unnoticed; and its answer is etcd's word on that lease);
+    the first stream after a grant skips it. Adding or closing a lease sends or stops its
+    keep-alives on the open stream and disturbs no other lease.
 
     **Never gives up on a timer.** While no member answers it keeps trying, failing over
     between endpoints with a backoff of at most about a second, for as long as it takes;
@@ -71,16 +54,17 @@ class KeepAlive:
       endpoints, :meth:`Outage.message`);
     * UNREACHABLE → ALIVE when etcd answers with the lease alive: ``on_reachable(silence
       seconds)`` runs once (default: one info line);
-    * → LOST when etcd answers TTL ≤ 0 or "lease not found"; → FAILED when this thread
-      dies of an unexpected exception (also reported to the client's death listeners);
-      either way :meth:`lost` turns true and ``on_lost()`` runs once.
+    * → LOST when etcd answers TTL ≤ 0 or "lease not found"; → FAILED when the stream's
+      thread dies of an unexpected exception (every lease on it fails; the death is also
+      reported to the client's death listeners); either way :meth:`lost` turns true and
+      ``on_lost()`` runs once.
 
-    Callbacks run on this keep-alive thread and must not block. One that raises is
-    logged and the keep-alive goes on: a bug of the owner must not cost the lease.
+    Callbacks run on the keep-alive thread and must not block. One that raises is logged
+    and the keep-alive goes on: a bug of the owner must not cost the lease.
 
     The client's observer hears each answer's round trip (``keepalive_answered``), each
     answer (``answered``) and each broken stream (``attempt_failed`` with method
-    ``lease_keepalive``).
+    ``lease_keepalive``, once per stream, whatever the number of leases on it).
     """
 
     lease_id: int
@@ -103,24 +87,26 @@ class KeepAlive:
         self._on_lost = on_lost
         self._on_unreachable = on_unreachable
         self._on_reachable = on_reachable
-        self._interval = max(ttl / 3.0, 0.1)
+        self.interval = max(ttl / 3.0, 0.1)
         self._stop = threading.Event()
         self._lost = threading.Event()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _liveness (a leaf lock)
+        # Held by the stream's thread while it acts for this lease (its callbacks too), so
+        # that close() can wait until none runs any more; reentrant for a callback that
+        # closes its own lease.
+        self._busy = threading.RLock()
         self._liveness = Liveness(
             lease_id, ttl, client._clock() if granted_at is None else granted_at
         )
-        self._call: Any = None
-        # Whether the next stream opens with a probe: every one but the first after a
-        # grant, whose answer is etcd's fresh word on the lease over a channel that works.
+        # Whether the next stream must probe before it opens: every one but the first after
+        # a grant, whose answer is etcd's fresh word on the lease over a channel that works.
         self._probe_next = granted_at is None
-        self._quiet = False  # a failure was logged since the last answer: log the rest at debug
-        self._thread: threading.Thread | None = None
-        # Where the stream last got an answer (None while reconnecting), for diagnostics.
+        # Where this lease last got an answer (None while reconnecting), for diagnostics.
         self.endpoint: str | None = None
+        self._slot = 0  # its number on the client's keep-alive stream (set when added)
 
     def _start(self) -> None:
-        self._thread = start_guarded(f"etcd-keepalive-{self.lease_id:x}", self._run, self._died)
+        self._client._keepalive_stream.add(self)
 
     # -- what the owner sees --------------------------------------------------------------
 
@@ -152,16 +138,14 @@ class KeepAlive:
         return self._lost.wait(timeout)
 
     def close(self, revoke: bool = True) -> None:
-        """Stop the stream and, with ``revoke``, revoke the lease (best effort, bounded)."""
+        """Stop this lease's keep-alives and, with ``revoke``, revoke the lease (best
+        effort, bounded). The other leases of the client go on undisturbed. No callback
+        of this lease runs once it returns (unless it is called from one)."""
         first = not self._stop.is_set()
         self._stop.set()
-        with self._lock:
-            call = self._call
-        if call is not None:
-            call.cancel()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
+        self._client._keepalive_stream.remove(self)
+        with self._busy:
+            pass  # a callback of this lease in progress has returned
         with self._lock:
             gone = self._liveness.state is LeaseState.LOST
             self._liveness.end(LeaseState.CLOSED, self._client._clock(), "closed")
@@ -172,10 +156,77 @@ class KeepAlive:
             except EtcdConnectionError as exc:
                 log.warning("could not revoke lease %x (it expires by TTL): %s", self.lease_id, exc)
 
+    # -- what the stream tells it (on the stream's threads) -------------------------------
+
+    def _joined(self) -> int:
+        """The lease joins a new stream; its number there, for :meth:`_sent`."""
+        with self._lock:
+            return self._liveness.new_stream()
+
+    def _sent(self, stream: int, now: float) -> None:
+        with self._lock:
+            self._liveness.sent(stream, now)
+
+    def _hung(self, now: float, member_heard_at: float) -> bool:
+        with self._lock:
+            return self._liveness.member_hung(now, self.interval, member_heard_at)
+
+    def _on_answer(self, index: int, rsp: Any) -> bool:
+        """One keep-alive answer; False once the lease is lost (it leaves the stream)."""
+        now = self._client._answered_by(index)
+        with self._lock:
+            sent_at = self._liveness.oldest_unanswered()
+            change = self._liveness.answered(now, int(rsp.TTL))
+        if rsp.TTL > 0:
+            # A third of the TTL etcd keeps, which may exceed the one asked for (etcd's
+            # minimum is 2 s by default): what etcd's gRPC proxy renews the lease by too.
+            self.interval = max(rsp.TTL / 3.0, 0.1)
+        if sent_at is not None:
+            self._client._observed.keepalive_answered(now - sent_at)
+        self._report(change)
+        return not self._lost.is_set()
+
+    def _probed(self, now: float, sent_at: float, remaining: int) -> bool:
+        """etcd answered a time-to-live request sent at ``sent_at``; False once lost."""
+        with self._lock:
+            change = self._liveness.probed(now, sent_at, remaining)
+        self._report(change)
+        return not self._lost.is_set()
+
+    def _not_found(self, details: str) -> None:
+        """etcd ended this lease's stream with "lease not found": LOST."""
+        with self._lock:
+            change = self._liveness.not_found(self._client._clock(), details)
+        self._report(change)
+
+    def _failed(self, endpoint: str, error: str) -> None:
+        """An attempt on ``endpoint`` ended without an answer (for the outage's line)."""
+        with self._lock:
+            self._liveness.failed(endpoint, error)
+        self.endpoint = None
+
+    def _check(self) -> None:
+        """Report UNREACHABLE if the last answer's guarantee has run out."""
+        with self._lock:
+            change = self._liveness.check(self._client._clock())
+        self._report(change)
+
+    def _thread_died(self, cause: BaseException | None) -> Change | None:
+        """The stream's thread died: nobody renews the lease any more (FAILED). Returns
+        the change for :meth:`_report`, which the stream runs once the client's death
+        listeners have heard of the death."""
+        with self._lock:
+            return self._liveness.end(
+                LeaseState.FAILED,
+                self._client._clock(),
+                f"its keep-alive thread died ({cause!r}); nothing renews it, so etcd "
+                "expires it after its TTL",
+            )
+
     # -- reporting ------------------------------------------------------------------------
 
     def _report(self, change: Change | None) -> None:
-        """Tell the owner about a change of state (on this thread, once per change)."""
+        """Tell the owner about a change of state (on the stream's thread, once each)."""
         if change is None:
             return
         now = self._client._clock()
@@ -207,174 +258,3 @@ class KeepAlive:
             call()
         except Exception:
             log.exception("the %s callback of lease %x failed", name, self.lease_id)
-
-    def _died(self, died: ThreadDied) -> None:
-        """The thread died of an unexpected exception: nobody renews the lease any more."""
-        with self._lock:
-            change = self._liveness.end(
-                LeaseState.FAILED,
-                self._client._clock(),
-                f"its keep-alive thread died ({died.__cause__!r}); nothing renews it, so "
-                "etcd expires it after its TTL",
-            )
-        self._client._thread_died(died)
-        self._report(change)
-
-    # -- the stream -----------------------------------------------------------------------
-
-    def _requests(self, stream: int, index: int, done: threading.Event) -> Iterator[Any]:
-        """Requests of one stream; runs on gRPC's feeding thread. Cancels a stale stream."""
-        clock = self._client._clock
-        while not done.is_set():
-            with self._lock:
-                self._liveness.sent(stream, clock())
-            yield etcdrpc.LeaseKeepAliveRequest(ID=self.lease_id)
-            if done.wait(self._interval):
-                return
-            heard_at = self._client.last_heard(index)
-            with self._lock:
-                hung = self._liveness.member_hung(clock(), self._interval, heard_at)
-                call = self._call
-            if hung and call is not None:
-                # This member answered nothing since our keep-alive went out: try the next.
-                done.set()
-                call.cancel()
-                return
-
-    def _on_answer(self, index: int, rsp: Any) -> bool:
-        """One keep-alive answer; False once the lease is lost (the stream is done)."""
-        now = self._client._answered_by(index)
-        with self._lock:
-            sent_at = self._liveness.oldest_unanswered()
-            change = self._liveness.answered(now, int(rsp.TTL))
-            self._quiet = False
-        observed = self._client._observed
-        if sent_at is not None:
-            observed.keepalive_answered(now - sent_at)
-        self._report(change)
-        return not self._lost.is_set()
-
-    def _probe(self, index: int, metadata: Metadata) -> bool:
-        """Ask etcd whether the lease still exists; False once it said it does not."""
-        clock = self._client._clock
-        request = etcdrpc.LeaseTimeToLiveRequest(ID=self.lease_id)
-        sent_at = clock()
-        future = self._client._channels.stubs(index).lease.LeaseTimeToLive.future(
-            request, timeout=self._interval, metadata=_stream_metadata(metadata)
-        )
-        with self._lock:
-            self._call = future  # close() cancels it like a stream
-        if self._stop.is_set():
-            future.cancel()
-        rsp = future.result()
-        now = self._client._answered_by(index)
-        with self._lock:
-            change = self._liveness.probed(now, sent_at, int(rsp.TTL))
-            self._quiet = False
-            self.endpoint = self._client.config.endpoints[index]
-        self._report(change)
-        return not self._lost.is_set()
-
-    def _attempt(self, index: int) -> _Attempt:
-        """Probe, then open one stream on endpoint ``index`` and read it until it ends."""
-        client = self._client
-        name = client.config.endpoints[index]
-        done = threading.Event()
-        metadata: Metadata = None
-        answered = False
-        with self._lock:
-            stream = self._liveness.new_stream()
-        try:
-            # Authenticating (with its own failover) is bounded like one interval's wait.
-            metadata = client._metadata(self._interval)
-            probe, self._probe_next = self._probe_next, True
-            if probe and not self._probe(index, metadata):
-                return _Attempt(RETRY, metadata, True)
-            call = client._channels.stubs(index).lease.LeaseKeepAlive(
-                self._requests(stream, index, done), metadata=_stream_metadata(metadata)
-            )
-            with self._lock:
-                self._call = call
-            if self._stop.is_set():
-                call.cancel()
-            for rsp in call:
-                self.endpoint = name
-                answered = True
-                if not self._on_answer(index, rsp):
-                    return _Attempt(RETRY, metadata, True)
-            self._failed(name, "the member ended the stream")
-            client._observed.attempt_failed("lease_keepalive", STREAM_ENDED)
-            return _Attempt(RETRY, metadata, answered)
-        except grpc.RpcError as exc:
-            code, details = _status(exc)
-            kind = RETRY if done.is_set() else classify_status(code, details)
-            if not self._stop.is_set():
-                client._observed.attempt_failed(
-                    "lease_keepalive", NO_ANSWER if done.is_set() else _code_name(code)
-                )
-                if kind != RETRY:
-                    client._answered_by(index)  # an error status, from etcd
-            if kind == NOT_FOUND and "lease not found" in details.lower():
-                with self._lock:
-                    change = self._liveness.not_found(client._clock(), details)
-                self._report(change)
-            elif done.is_set():
-                self._failed(name, f"no answer within {self._interval:.1f} s")
-            elif not self._stop.is_set():
-                self._failed(name, f"{_code_name(code)}: {details}")
-            return _Attempt(kind, metadata, answered)
-        except grpc.FutureCancelledError:
-            return _Attempt(RETRY, metadata, answered)  # close() cancelled the probe
-        except (EtcdConnectionError, ValueError) as exc:
-            self._failed(name, str(exc))
-            return _Attempt(RETRY, metadata, answered)
-        finally:
-            done.set()
-            with self._lock:
-                self._call = None
-            self.endpoint = None
-
-    def _failed(self, endpoint: str, error: str) -> None:
-        with self._lock:
-            self._liveness.failed(endpoint, error)
-            quiet, self._quiet = self._quiet, True
-        # The first failure after an answer at info, the rest of an outage at debug: the
-        # outage itself is reported once, as UNREACHABLE.
-        (log.debug if quiet else log.info)(
-            "keep-alive of lease %x on %s: %s; trying the next member",
-            self.lease_id, endpoint, error,
-        )  # fmt: skip
-
-    def _check(self) -> None:
-        with self._lock:
-            change = self._liveness.check(self._client._clock())
-        self._report(change)
-
-    def _run(self) -> None:
-        client = self._client
-        endpoints = len(client.config.endpoints)
-        failures = 0
-        while not (self._stop.is_set() or self._lost.is_set()):
-            index = client._ring.current()
-            attempt = self._attempt(index)
-            if self._stop.is_set() or self._lost.is_set():
-                return  # closed on purpose, or etcd said the lease is gone
-            if attempt.answered:
-                failures = 0
-            if attempt.kind == REAUTH:
-                client._invalidate_token(attempt.metadata)
-            else:
-                client._ring.failed(index)
-            failures += 1
-            self._check()
-            if failures % endpoints == 0:
-                # Every member failed in a row: back off (≤ about 1 s), waking in time to
-                # report UNREACHABLE when the lease's guarantee runs out.
-                delay = backoff_delay(failures // endpoints - 1, client._rng.random())
-                until_unsure = self.alive_until - client._clock()
-                if 0 < until_unsure < delay:
-                    self._stop.wait(until_unsure)
-                    self._check()
-                    delay -= until_unsure
-                self._stop.wait(delay)
-                self._check()

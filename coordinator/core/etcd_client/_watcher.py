@@ -7,14 +7,13 @@ import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from etcd3 import etcdrpc
 
 from coordinator.core.errors import EtcdAuthError, EtcdConnectionError
-from coordinator.core.etcd_client._connection import Metadata, _stream_metadata
+from coordinator.core.etcd_client._connection import Metadata, StreamEnd, _stream_metadata
 from coordinator.core.etcd_client._failover import (
     PERMISSION,
     REAUTH,
@@ -27,9 +26,9 @@ from coordinator.core.etcd_client._failover import (
     tls_mismatch,
     unreachable,
 )
-from coordinator.core.etcd_client._liveness import Probe, watch_probe
 from coordinator.core.etcd_client._observer import NO_ANSWER, STREAM_ENDED
 from coordinator.core.etcd_client._watch import _event, _watch_error, _WatchState
+from coordinator.core.etcd_client._watch_probe import Prober
 from coordinator.core.threads import ThreadDied, start_guarded
 
 if TYPE_CHECKING:
@@ -38,17 +37,6 @@ if TYPE_CHECKING:
 __all__ = ["_Watcher"]
 
 log = logging.getLogger("coordinator.core.etcd_client")  # one logger for the whole package
-
-
-class _Attempt(NamedTuple):
-    """How one stream ended."""
-
-    kind: str  # a failure kind of _failover (RETRY, REAUTH, ...)
-    metadata: Metadata  # the token it used (to invalidate on REAUTH)
-    answered: bool  # etcd answered at least once (resets the backoff)
-
-
-_PROGRESS = etcdrpc.WatchRequest(progress_request=etcdrpc.WatchProgressRequest())
 
 
 class _Watcher:
@@ -81,6 +69,7 @@ class _Watcher:
         # Endpoints whose last failure was a TLS mismatch certain to repeat, since the
         # stream last got an answer: once it is every endpoint, unconfirmed watches end.
         self._tls_refused: set[str] = set()
+        self._prober = Prober(client)  # probes a silent member (_watch_probe)
 
     # -- what Watch and EtcdClient call ---------------------------------------------------
 
@@ -190,7 +179,7 @@ class _Watcher:
                 self._cond.wait()
             return not self._closed
 
-    def _stream(self, index: int) -> _Attempt:
+    def _stream(self, index: int) -> StreamEnd:
         """Open one stream on endpoint ``index``, (re)create every watch, read it to its end."""
         client = self._client
         name = client.config.endpoints[index]
@@ -200,13 +189,14 @@ class _Watcher:
         call: Any = None
         try:
             metadata = client._metadata()
+            sends = self._prober.requests(index, requests, metadata, self._leave_hung)
             call = client._channels.stubs(index).watch.Watch(
-                self._requests_to(index, requests), metadata=_stream_metadata(metadata)
+                sends, metadata=_stream_metadata(metadata)
             )
             self._opened(call, requests)
             observed = client._observed
             for response in call:
-                client._answered_by(index)
+                self._prober.heard(index, response)
                 if not answered:
                     answered = True
                     self._answered(name)
@@ -214,7 +204,7 @@ class _Watcher:
             self._broke(name, "the member ended the stream")
             if not self._closed:
                 observed.attempt_failed("watch", STREAM_ENDED)
-            return _Attempt(RETRY, metadata, answered)
+            return StreamEnd(RETRY, metadata, answered)
         except grpc.RpcError as exc:
             with self._cond:
                 hung_after, self._hung_after = self._hung_after, None
@@ -222,19 +212,19 @@ class _Watcher:
                 client._observed.attempt_failed("watch", NO_ANSWER)
                 why = f"no answer for {hung_after:.1f} s, not to a progress request either"
                 self._broke(name, why)
-                return _Attempt(RETRY, metadata, answered)
+                return StreamEnd(RETRY, metadata, answered)
             code, details = _status(exc)
             if not self._closed:
                 client._observed.attempt_failed("watch", _code_name(code))
             self._failed(name, code, details)
-            return _Attempt(classify_status(code, details), metadata, answered)
+            return StreamEnd(classify_status(code, details), metadata, answered)
         except EtcdAuthError as exc:
             # The credentials are refused: no retry can help these watches.
             self._fail_all(exc)
-            return _Attempt(RETRY, metadata, answered)
+            return StreamEnd(RETRY, metadata, answered)
         except (EtcdConnectionError, ValueError) as exc:
             self._broke(name, f"cannot connect: {exc}")
-            return _Attempt(RETRY, metadata, answered)
+            return StreamEnd(RETRY, metadata, answered)
         finally:
             requests.put(None)
             if call is not None:
@@ -245,32 +235,6 @@ class _Watcher:
                 self._by_id.clear()
                 for state in self._watches:
                     state.server_id = None
-
-    def _requests_to(self, index: int, requests: queue.SimpleQueue[Any]) -> Iterator[Any]:
-        """What the stream to member ``index`` sends: the queued requests, and a progress
-        request whenever the member has been silent for a while (:func:`watch_probe`); a
-        member silent to that too is left (the call is cancelled, the thread moves on).
-        Runs on gRPC's request thread of the call, so probing costs no thread of ours."""
-        client = self._client
-        interval = client.config.request_timeout
-        opened = client._clock()
-        probe_sent: float | None = None
-        while True:
-            try:
-                item = requests.get(timeout=interval / 2)
-            except queue.Empty:
-                now = client._clock()
-                heard = max(client.last_heard(index), opened)
-                step = watch_probe(now, heard, probe_sent, interval)
-                if step is Probe.SEND:
-                    probe_sent = now
-                    yield _PROGRESS
-                elif step is Probe.HUNG and self._leave_hung(requests, now - heard):
-                    return
-                continue
-            if item is None:
-                return
-            yield item
 
     def _leave_hung(self, requests: queue.SimpleQueue[Any], silent_for: float) -> bool:
         """Cancel the call of the stream fed by ``requests``: its member is hung. False if
