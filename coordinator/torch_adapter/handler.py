@@ -33,6 +33,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousHandler,
@@ -78,6 +79,8 @@ from coordinator.torch_adapter.store import EtcdStore
 __all__ = ["EtcdRendezvousHandler", "create_handler"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _node_counter = itertools.count()
 # Random per process: host name and pid repeat across containers (all pid 1, one name on
@@ -189,14 +192,20 @@ class EtcdRendezvousHandler(RendezvousHandler):
         parts.duty.start()
         return parts
 
-    def _rejoin_participation(self, deadline: float) -> Participation:
-        """A new participation after a thread death, tried again until ``deadline``: the
-        fault that killed one watch thread may kill the next one's first watch too (or etcd
-        may be away for a moment), and a node must not give up its join for it."""
+    def _join_participation(self, deadline: float) -> Participation:
+        """The live participation (a new one on the first join and after a thread death),
+        tried again until ``deadline``: etcd may be away when a join starts (an outage
+        overlapping a restart), and the fault that killed one watch thread may kill the
+        next one's first watch too; a node must not give up its join for either."""
+        return self._until(deadline, "joining", self._participation)
+
+    def _until(self, deadline: float, doing: str, call: Callable[[], T]) -> T:
+        """``call()``, tried again after an etcd connection error until ``deadline`` (the
+        join's): each try is bounded by read_timeout, the join by join_timeout."""
         failures = 0
         while True:
             try:
-                return self._participation()
+                return call()
             except (EtcdAuthError, EtcdTLSError):
                 raise  # a wrong credential does not heal by waiting
             except EtcdConnectionError as exc:
@@ -205,8 +214,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     raise
                 delay = min(left, backoff_delay(failures, secrets.randbelow(1000) / 1000))
                 log.warning(
-                    "node %s: re-joining run %s failed (%s); trying again in %.1f s",
-                    self.node_id, self._keys.run_id, exc, delay,
+                    "node %s: %s run %s failed (%s); trying again in %.1f s",
+                    self.node_id, doing, self._keys.run_id, exc, delay,
                 )  # fmt: skip
                 failures += 1
                 time.sleep(delay)
@@ -282,8 +291,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
         # The run's keys are gone with its lease: leave and join again from scratch.
         self._on_thread_death(ThreadDied(f"etcd-keepalive-{self._run_lease.id:x}", error))
 
-    def _write_node(self, parts: Participation, wanted_round: int) -> None:
-        """Write this node's key asking for ``wanted_round``, with a live lease."""
+    def _node_writer(self, parts: Participation, wanted_round: int) -> Callable[[], None]:
+        """Writes this node's key asking for ``wanted_round``, with a live lease; does
+        nothing once ``parts`` has ended (the join loop then starts over on a new one)."""
 
         def record(lease_id: int) -> NodeInfo:
             return NodeInfo(
@@ -300,8 +310,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 incarnation=self.incarnation,
             )
 
-        parts.member.write(record)
-        parts.duty.poke()
+        def write() -> None:
+            if self._current() is not parts:
+                return  # ended while a try failed: no lease nor key for a dead participation
+            parts.member.write(record)
+            parts.duty.poke()
+
+        return write
 
     def _session_lost(self) -> bool:
         # Called under the view's condition (wait_newer's predicate): takes only the leaf
@@ -322,17 +337,17 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     @torch_errors
     def next_rendezvous(self) -> RendezvousInfo:
-        parts = self._participation()
         run_id = self._keys.run_id
         start = self._clock()
         deadline = start + self._settings.join_timeout
+        parts = self._join_participation(deadline)
         wanted = 0
         quarantined = 0  # the end time of this node's quarantine last logged
         log.info("node %s joining run %s", self.node_id, run_id)
         while True:
             if self._current() is not parts:
                 # A background thread died and this node left: join again from scratch.
-                parts, wanted = self._rejoin_participation(deadline), 0
+                parts, wanted = self._join_participation(deadline), 0
             view = parts.view
             state, _, seen = view.read()
             if state.quarantine_of(self.node_id) is not None:
@@ -381,7 +396,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
                             self.node_id, run_id, state.closed_reason or "closed",
                             self.incarnation, state.incarnation,
                         )  # fmt: skip
-                self._write_node(parts, wanted)
+                ask = self._node_writer(parts, wanted)
+                self._until(deadline, f"asking for round {wanted} of", ask)
                 continue
             # A listed spare waits for events only, without a deadline (past join_timeout
             # a timeout of 0 would make this loop spin).
