@@ -73,6 +73,7 @@ from coordinator.core.transitions import (
     is_spare,
     quarantine,
 )
+from coordinator.core.view import StateView
 from coordinator.torch_adapter.errors import torch_errors
 from coordinator.torch_adapter.store import EtcdStore
 
@@ -139,6 +140,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._events: EventLog | None = None
         # Every key of the run that no node owns hangs on the run's lease (run_lease.py).
         self._run_lease = RunLease(self._keys, settings.retention, settings.lease_ttl)
+        # The view of the last participation (kept after it ended): what is_closed() reads.
+        self._last_view: StateView | None = None
         self._started_ms = int(time.time() * 1000)
         self.last_round = -1
         """The round of this node's last completed rendezvous (-1: none yet)."""
@@ -185,7 +188,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         with self._lock:
             won = self._parts is None and not self._left
             if won:
-                self._parts, self._rejoin = parts, None
+                self._parts, self._rejoin, self._last_view = parts, None, parts.view
         if not won:
             parts.close()
             return self._participation()  # raises NodeLeftError, or returns the winner's
@@ -432,8 +435,14 @@ class EtcdRendezvousHandler(RendezvousHandler):
     @torch_errors
     def is_closed(self) -> bool:
         # From memory and never raising: a running agent asks this every tick, and an
-        # unreadable state (an operator's stray put) must not end its training.
-        return self._closed_for_me(self._participation().view.peek())
+        # unreadable state (an operator's stray put) must not end its training. After a
+        # thread death the participation is gone until the next join; the state its view
+        # last saw answers, for building a new one here would make RPCs on the agent's
+        # loop (and raise while etcd is away). Before any join: not known to be closed
+        # (the join finds out).
+        with self._lock:
+            view = self._last_view
+        return view is not None and self._closed_for_me(view.peek())
 
     def _closed_for_me(self, state: RdzvState) -> bool:
         # Closed for this node: its incarnation is closed or over. A node waiting to start
