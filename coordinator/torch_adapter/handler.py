@@ -197,9 +197,15 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     def _join_participation(self, deadline: float) -> Participation:
         """The live participation (a new one on the first join and after a thread death),
-        tried again until ``deadline``: etcd may be away when a join starts (an outage
-        overlapping a restart), and the fault that killed one watch thread may kill the
-        next one's first watch too; a node must not give up its join for either."""
+        tried again until ``deadline`` once this node has taken part: etcd may be away
+        when a re-join starts (an outage overlapping a restart), and the fault that killed
+        one watch thread may kill the next one's first watch too; a node must not give up
+        its join for either. A node that never reached etcd gives up after read_timeout,
+        naming the endpoints: that is most likely a wrong endpoint (DESIGN §6)."""
+        with self._lock:
+            reached = self._last_view is not None
+        if not reached:
+            return self._participation()
         return self._until(deadline, "joining", self._participation)
 
     def _until(self, deadline: float, doing: str, call: Callable[[], T]) -> T:
