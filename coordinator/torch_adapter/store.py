@@ -23,6 +23,11 @@ Semantics, case by case (as ``TCPStore`` behaves in torch 2.13):
   transaction), ``append`` (atomic, exactly once like ``add``; creates), ``list_keys``,
   ``clone``.
 * Not provided: the ``queue_*`` operations (nothing in torch's Python layer uses them).
+* Errors are torch's: etcd unreachable (``StoreConnectionError``, a ``DistNetworkError``
+  as ``TCPStore`` raises when its server is gone, and a ``DistStoreError``), a user
+  without permission on the round's keys (``StoreAuthError``), anything else of the core
+  (``StoreFailedError``); see :mod:`coordinator.torch_adapter.errors`. Each is also the
+  core's error of the same kind.
 
 Blocking reads never poll: read, and if the key is absent watch exactly that key from
 now and read again, so a put between the read and the watch is still seen; a watch that
@@ -45,6 +50,7 @@ from torch.distributed import (  # type: ignore[attr-defined]
 from coordinator.core.etcd_client import EtcdClient, KeyValue
 from coordinator.core.keys import decode_store_key, join_store_key, round_store_prefix
 from coordinator.core.store_rounds import ops_prefix, round_of_folder, round_prefixes
+from coordinator.torch_adapter.errors import store_errors
 from coordinator.torch_adapter.store_once import new_op_id, write_once
 from coordinator.torch_adapter.store_wait import Aborted, Cancellation, wait_for_key
 
@@ -111,10 +117,12 @@ class EtcdStore(Store):
 
     # -- writes ------------------------------------------------------------------------
 
+    @store_errors
     def set(self, key: str | bytes, value: str | bytes) -> None:
         """Store ``value`` under ``key``, replacing any value."""
         self._client.put(self._key(key), _to_bytes("value", value))
 
+    @store_errors
     def add(self, key: str | bytes, amount: int) -> int:
         """Add ``amount`` to the decimal counter at ``key`` (absent: 0) and return the sum.
 
@@ -138,6 +146,7 @@ class EtcdStore(Store):
 
         return int(write_once(self._client, self._key(key), self._marker(op_id), modify))
 
+    @store_errors
     def append(self, key: str | bytes, value: str | bytes) -> None:
         """Append ``value`` to the bytes at ``key``, creating it when absent (atomic).
 
@@ -154,6 +163,7 @@ class EtcdStore(Store):
 
         write_once(self._client, self._key(key), self._marker(op_id), modify)
 
+    @store_errors
     def compare_set(
         self, key: str | bytes, expected_value: str | bytes, desired_value: str | bytes
     ) -> bytes:
@@ -179,6 +189,7 @@ class EtcdStore(Store):
                 return desired
             current = result.current
 
+    @store_errors
     def multi_set(self, keys: Sequence[str | bytes], values: Sequence[str | bytes]) -> None:
         """Set every ``keys[i]`` to ``values[i]`` in one etcd transaction.
 
@@ -210,6 +221,7 @@ class EtcdStore(Store):
                 return
             current = result.current
 
+    @store_errors
     def delete_key(self, key: str | bytes) -> bool:
         """Delete ``key``; return whether it existed."""
         deleted, _ = self._client.delete(self._key(key))
@@ -217,6 +229,7 @@ class EtcdStore(Store):
 
     # -- reads -------------------------------------------------------------------------
 
+    @store_errors
     def get(self, key: str | bytes) -> bytes:
         """Return the value of ``key``, waiting up to the store timeout for it to appear.
 
@@ -225,10 +238,12 @@ class EtcdStore(Store):
         """
         return self._wait_all([key], self._deadline(None))[0].value
 
+    @store_errors
     def multi_get(self, keys: Sequence[str | bytes]) -> list[bytes]:
         """Return the values of ``keys`` in order, waiting for each like :meth:`get`."""
         return [kv.value for kv in self._wait_all(keys, self._deadline(None))]
 
+    @store_errors
     def wait(self, keys: Sequence[str | bytes], timeout: timedelta | None = None) -> None:
         """Block until every key exists, up to ``timeout`` (default: the store timeout).
 
@@ -237,15 +252,18 @@ class EtcdStore(Store):
         """
         self._wait_all(keys, self._deadline(timeout))
 
+    @store_errors
     def check(self, keys: Sequence[str | bytes]) -> bool:
         """Return whether every key exists now (no waiting)."""
         return all(self._client.get(self._key(k))[0] is not None for k in keys)
 
+    @store_errors
     def num_keys(self) -> int:
         """Number of keys in this store (this round only)."""
         count, _ = self._client.count_prefix(self._prefix)
         return count
 
+    @store_errors
     def list_keys(self) -> list[str]:
         """The keys of this store (this round only), decoded; bytes that are not UTF-8
         are shown as ``\\xNN``."""
