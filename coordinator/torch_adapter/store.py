@@ -22,6 +22,8 @@ Semantics, case by case (as ``TCPStore`` behaves in torch 2.13):
 * ``check``, ``delete_key``, ``num_keys`` (keys of this round only), ``multi_set`` (one
   transaction), ``append`` (atomic, exactly once like ``add``; creates), ``list_keys``,
   ``clone``.
+* Not torch's API: ``gather`` and ``count_keys``, one range read for every key under a
+  prefix (how the agents' exchanges read: never one ``get`` per key).
 * Not provided: the ``queue_*`` operations (nothing in torch's Python layer uses them).
 
 Blocking reads never poll: read, and if the key is absent watch exactly that key from
@@ -46,7 +48,12 @@ from coordinator.core.etcd_client import EtcdClient, KeyValue
 from coordinator.core.keys import decode_store_key, join_store_key, round_store_prefix
 from coordinator.core.store_rounds import ops_prefix, round_of_folder, round_prefixes
 from coordinator.torch_adapter.store_once import new_op_id, write_once
-from coordinator.torch_adapter.store_wait import Aborted, Cancellation, wait_for_key
+from coordinator.torch_adapter.store_wait import (
+    Aborted,
+    Cancellation,
+    wait_for_key,
+    wait_for_prefix,
+)
 
 __all__ = ["EtcdStore", "delete_round", "delete_rounds_before"]
 
@@ -250,15 +257,46 @@ class EtcdStore(Store):
         """The keys of this store (this round only), decoded; bytes that are not UTF-8
         are shown as ``\\xNN``."""
         kvs, _ = self._client.get_prefix(self._prefix, keys_only=True)
-        keys = []
-        for kv in kvs:
+        return list(self._user_keys([kv.key for kv in kvs]).values())
+
+    def gather(
+        self, key_prefix: str | bytes, count: int, timeout: timedelta | None = None
+    ) -> dict[str, bytes]:
+        """Every key that starts with ``key_prefix`` and its value, once there are at least
+        ``count``, waiting up to ``timeout`` (default: the store timeout); at the deadline,
+        those there are. One range read when they are all there, else one prefix watch
+        (its events reach this caller only) and a second read; never a get per key.
+
+        Raises:
+            DistStoreError: the wait was aborted (:meth:`abort`).
+        """
+        etcd_prefix = self._key(key_prefix)
+        try:
+            found = wait_for_prefix(
+                self._client, etcd_prefix, count, self._deadline(timeout),
+                clock=self._clock, cancellation=self._cancellation,
+            )  # fmt: skip
+        except Aborted as exc:
+            raise DistStoreError(f"wait for store keys {key_prefix!r}* aborted: {exc}") from None
+        return {key: found[k].value for k, key in self._user_keys(sorted(found)).items()}
+
+    def count_keys(self, key_prefix: str | bytes) -> int:
+        """How many keys of this store start with ``key_prefix`` (one count-only read)."""
+        count, _ = self._client.count_prefix(self._key(key_prefix))
+        return count
+
+    def _user_keys(self, etcd_keys: Sequence[bytes]) -> dict[bytes, str]:
+        """etcd key -> the Store key it holds, decoded (bytes that are not UTF-8 shown as
+        ``\\xNN``); a foreign key is logged and left out."""
+        out = {}
+        for key in etcd_keys:
             try:
-                raw = decode_store_key(kv.key[len(self._prefix) :])
+                raw = decode_store_key(key[len(self._prefix) :])
             except ValueError:
-                log.warning("ignoring foreign key %r in store %r", kv.key, self._prefix)
+                log.warning("ignoring foreign key %r in store %r", key, self._prefix)
                 continue
-            keys.append(raw.decode("utf-8", "backslashreplace"))
-        return keys
+            out[key] = raw.decode("utf-8", "backslashreplace")
+        return out
 
     def clone(self) -> EtcdStore:
         """A new handle on the same store (same client, prefix, timeout and clock).
