@@ -316,8 +316,10 @@ def _lists_behind(state: RdzvState, tally: Tally) -> bool:
     """Whether :func:`_bookkeeping` has anything to record (decided from the counts)."""
     if state.round == 0 or not state.participants:
         return tally.left_draining > 0
+    newcomers = tally.unlisted_joiners - tally.unlisted_returning
+    returning = tally.unlisted_returning and not tally.waiting_live  # see _bookkeeping
     return bool(
-        tally.newly_lost or tally.gone_listed or tally.left_draining or tally.unlisted_joiners
+        tally.newly_lost or tally.gone_listed or tally.left_draining or newcomers or returning
     )
 
 
@@ -350,10 +352,19 @@ def _bookkeeping(
         actions.append(Action(ActionKind.REMOVE_FROM_DRAINING, left_draining))
 
     listed = set(state.wait_list) | set(state.redundancy_list)
-    unlisted = [n.node_id for n in joiners if n.node_id not in listed]
+    participants = set(state.participants)
+    # The wait list tells the participants to re-rendezvous (num_nodes_waiting()); once a
+    # live node is on it, the others know, and a returning participant joins the next
+    # round whether it is listed or not. Listing each as it comes back would cost a state
+    # write (and N watch events) per re-joining node: O(N²) events per restart.
+    signalled = any(n in nodes for n in state.wait_list)
+    unlisted = [
+        n.node_id
+        for n in joiners
+        if n.node_id not in listed and not (signalled and n.node_id in participants)
+    ]
     alive_participants = len(state.participants) - len(lost | set(newly_lost))
     full = alive_participants >= limits.max_nodes
-    participants = set(state.participants)
     wait = tuple(n for n in unlisted if not full or n in participants)
     redundant = tuple(n for n in unlisted if full and n not in participants)
     if wait:

@@ -114,7 +114,13 @@ def _bookkeeping(
         actions.append(Action(ActionKind.REMOVE_FROM_DRAINING, left_draining))
 
     listed = set(state.wait_list) | set(state.redundancy_list)
-    unlisted = [n.node_id for n in joiners if n.node_id not in listed]
+    # A returning participant is listed only while no live node waits yet (the signal).
+    signalled = any(n in nodes for n in state.wait_list)
+    unlisted = [
+        n.node_id
+        for n in joiners
+        if n.node_id not in listed and not (signalled and state.rank_of(n.node_id) is not None)
+    ]
     alive_participants = len(state.participants) - len(set(state.lost) | set(newly_lost))
     full = alive_participants >= limits.max_nodes
     wait = tuple(n for n in unlisted if not full or state.rank_of(n) is not None)
