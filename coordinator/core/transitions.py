@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace
 from coordinator.core.quarantine import ended, new_entries, release_in
 from coordinator.core.state import CloseMode, Hang, NodeInfo, Quarantine, RdzvState
 from coordinator.core.tally import Tally, tally_of
+from coordinator.core.worker_kinds import pack_workers
 
 __all__ = [
     "Action",
@@ -58,6 +59,7 @@ __all__ = [
     "is_spare",
     "quarantine",
     "to_restore",
+    "workers_of",
 ]
 
 
@@ -182,6 +184,7 @@ class Action:
     redundant: tuple[str, ...] = ()
     master_addr: str = ""
     master_port: int = 0
+    workers: tuple[tuple[str, int], ...] = ()  # (role, local world size) by rank
     # MARK_RENDEZVOUS_CLOSED only:
     reason: str = ""
     mode: CloseMode = "unspecified"
@@ -296,6 +299,7 @@ def decide_coordinator(
                 redundant=tuple(n.node_id for n in joiners[limits.max_nodes :]),
                 master_addr=rank0.addr,
                 master_port=rank0.free_port,
+                workers=workers_of(chosen),
             )
             return CoordinatorDecision((complete,), None, math.inf)
 
@@ -305,6 +309,13 @@ def decide_coordinator(
         actions = _bookkeeping(state, eligible, limits, _joiners(state, eligible), nodes)
     wake_at = deadline if deadline is not None else math.inf
     return CoordinatorDecision(tuple(actions), deadline, wake_at)
+
+
+def workers_of(nodes: Sequence[NodeInfo]) -> tuple[tuple[str, int], ...]:
+    """What each of ``nodes`` runs, from its record, for the state; empty when a record
+    lacks it or the state cannot hold it (:mod:`coordinator.core.worker_kinds`)."""
+    workers = tuple((n.role, n.local_world_size) for n in nodes)
+    return workers if pack_workers(workers) is not None else ()
 
 
 def _joiners(state: RdzvState, eligible: Mapping[str, NodeInfo]) -> list[NodeInfo]:
@@ -416,6 +427,7 @@ def apply(
                 lost=(),
                 master_addr=action.master_addr,
                 master_port=action.master_port,
+                workers=action.workers,
                 completed_at_unix_ms=now_unix_ms,
             )
         elif kind is ActionKind.MARK_RENDEZVOUS_CLOSED:

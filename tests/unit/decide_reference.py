@@ -10,7 +10,13 @@ import math
 from collections.abc import Iterable, Mapping
 
 from coordinator.core.state import NodeInfo, RdzvState
-from coordinator.core.transitions import Action, ActionKind, CoordinatorDecision, Limits
+from coordinator.core.transitions import (
+    Action,
+    ActionKind,
+    CoordinatorDecision,
+    Limits,
+    workers_of,
+)
 
 
 def _order_joiners(state: RdzvState, joiners: Iterable[NodeInfo]) -> list[NodeInfo]:
@@ -78,6 +84,7 @@ def reference_decide(
                 redundant=tuple(n.node_id for n in joiners[limits.max_nodes :]),
                 master_addr=rank0.addr,
                 master_port=rank0.free_port,
+                workers=workers_of(chosen),
             )
             return CoordinatorDecision((complete,), None, math.inf)
 
