@@ -62,7 +62,9 @@ def _what(event: Event) -> str:
     if kind == "drain_requested":
         return f"{event.node_id} asked to leave (drain) by {event.written_by or '?'}"
     if kind == "health_checked":
-        return f"{event.node_id} pre-flight check of round {event.round}: {event.summary}"
+        # One per round (its judge's); agents before that recorded one per node.
+        who = f"{event.node_id} " if event.node_id else ""
+        return f"{who}pre-flight check of round {event.round}: {event.summary}"
     cause = f" {event.cause}" if event.cause else ""
     summary = f": {event.summary}" if event.summary else ""
     return f"{event.node_id} fault{cause}{summary}"
