@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from coordinator.core.errors import CorruptValueError, EtcdElasticError
 from coordinator.core.etcd_client import EtcdClient, Watch, WatchEvent
 from coordinator.core.event_log import EventLog
-from coordinator.core.events import EventRecorder
+from coordinator.core.event_recorder import EventRecorder
 from coordinator.core.executor import Commit, Fence, StateExecutor
 from coordinator.core.keys import RunKeys
 from coordinator.core.node_table import NodeTable
@@ -227,7 +227,7 @@ class CoordinatorDuty:
         deadline_round = -1
         paused = False  # the state key is unreadable: wait for a valid value
         store_floor: int | None = None  # read once per term, only if the key is absent
-        recorder = EventRecorder(me.node_id)
+        recorder = EventRecorder(me.node_id, self._wall_ms)
         try:
             while not self._stop.is_set():
                 current = self._membership()

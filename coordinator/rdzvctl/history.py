@@ -16,7 +16,7 @@ from typing import Any
 
 from coordinator.core.errors import CorruptValueError, EtcdElasticError
 from coordinator.core.etcd_client import EtcdClient, WatchEvent
-from coordinator.core.events import Event, decode_event, read_events
+from coordinator.core.events import Event, JoinsShown, decode_event, read_events
 from coordinator.core.keys import RunKeys
 
 __all__ = [
@@ -157,7 +157,9 @@ def follow_history(
     try:
         for error in history.errors:
             on_error(error)
+        joins = JoinsShown()  # a new round shows its members' joins not shown yet
         for event in history.events:
+            joins.expand(event)
             emit(event)
         shown = len(history.events)
         while True:
@@ -175,7 +177,8 @@ def follow_history(
                 except CorruptValueError as exc:
                     on_error(exc)
                     continue
-                emit(event)
-                shown += 1
+                for each in joins.expand(event):
+                    emit(each)
+                    shown += 1
     finally:
         watch.cancel()
