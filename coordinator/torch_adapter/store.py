@@ -20,8 +20,8 @@ Semantics, case by case (as ``TCPStore`` behaves in torch 2.13):
 * ``wait(keys[, timeout])`` / ``multi_get(keys)`` block like ``get`` with one deadline for
   all keys; a zero timeout checks once.
 * ``check``, ``delete_key``, ``num_keys`` (keys of this round only), ``multi_set`` (one
-  transaction), ``append`` (atomic, exactly once like ``add``; creates), ``list_keys``,
-  ``clone``.
+  transaction per 100 keys), ``append`` (atomic, exactly once like ``add``; creates),
+  ``list_keys``, ``clone``. ``multi_get`` and ``check`` read many keys with one range read.
 * Not torch's API: ``gather`` and ``count_keys``, one range read for every key under a
   prefix (how the agents' exchanges read: never one ``get`` per key).
 * Not provided: the ``queue_*`` operations (nothing in torch's Python layer uses them).
@@ -47,6 +47,7 @@ from torch.distributed import (  # type: ignore[attr-defined]
 from coordinator.core.etcd_client import EtcdClient, KeyValue
 from coordinator.core.keys import decode_store_key, join_store_key, round_store_prefix
 from coordinator.core.store_rounds import ops_prefix, round_of_folder, round_prefixes
+from coordinator.torch_adapter.store_many import read_many, set_many
 from coordinator.torch_adapter.store_once import new_op_id, write_once
 from coordinator.torch_adapter.store_wait import (
     Aborted,
@@ -187,7 +188,8 @@ class EtcdStore(Store):
             current = result.current
 
     def multi_set(self, keys: Sequence[str | bytes], values: Sequence[str | bytes]) -> None:
-        """Set every ``keys[i]`` to ``values[i]`` in one etcd transaction.
+        """Set every ``keys[i]`` to ``values[i]``: one etcd transaction per 100 keys
+        (:func:`~coordinator.torch_adapter.store_many.set_many`).
 
         A key given twice takes its last value, as with repeated ``set``.
 
@@ -199,23 +201,7 @@ class EtcdStore(Store):
                 f"multi_set got {len(keys)} keys and {len(values)} values; give one value per key"
             )
         pairs = {self._key(k): _to_bytes("value", v) for k, v in zip(keys, values, strict=True)}
-        if not pairs:
-            return
-        # etcd's transactions put unconditionally only behind a compare; guard on the
-        # first key's revision and retry with the value the failed transaction read.
-        items = list(pairs.items())
-        (first_key, first_value), rest = items[0], items[1:]
-        current, _ = self._client.get(first_key)
-        while True:
-            result = self._client.put_if_mod_revision(
-                first_key,
-                first_value,
-                self._mod_revision(current),
-                also_put=[(k, v, 0) for k, v in rest],
-            )
-            if result.succeeded:
-                return
-            current = result.current
+        set_many(self._client, list(pairs.items()))
 
     def delete_key(self, key: str | bytes) -> bool:
         """Delete ``key``; return whether it existed."""
@@ -233,8 +219,13 @@ class EtcdStore(Store):
         return self._wait_all([key], self._deadline(None))[0].value
 
     def multi_get(self, keys: Sequence[str | bytes]) -> list[bytes]:
-        """Return the values of ``keys`` in order, waiting for each like :meth:`get`."""
-        return [kv.value for kv in self._wait_all(keys, self._deadline(None))]
+        """Return the values of ``keys`` in order, waiting for each like :meth:`get`: one
+        range read when they are all there (:func:`~.store_many.read_many`)."""
+        found = read_many(self._client, [self._key(k) for k in keys])
+        missing = [k for k in keys if self._key(k) not in found]
+        for key, kv in zip(missing, self._wait_all(missing, self._deadline(None)), strict=True):
+            found[self._key(key)] = kv
+        return [found[self._key(k)].value for k in keys]
 
     def wait(self, keys: Sequence[str | bytes], timeout: timedelta | None = None) -> None:
         """Block until every key exists, up to ``timeout`` (default: the store timeout).
@@ -245,8 +236,9 @@ class EtcdStore(Store):
         self._wait_all(keys, self._deadline(timeout))
 
     def check(self, keys: Sequence[str | bytes]) -> bool:
-        """Return whether every key exists now (no waiting)."""
-        return all(self._client.get(self._key(k))[0] is not None for k in keys)
+        """Return whether every key exists now (no waiting; one read)."""
+        found = read_many(self._client, [self._key(k) for k in keys])
+        return all(self._key(k) in found for k in keys)
 
     def num_keys(self) -> int:
         """Number of keys in this store (this round only)."""

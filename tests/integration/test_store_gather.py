@@ -114,3 +114,20 @@ def test_an_abort_ends_the_wait_at_once(counted: tuple[EtcdStore, RequestCounter
     ):
         store.gather("r/", 2)
     assert time.monotonic() - start < 10
+
+
+def test_torch_s_rank_exchange_at_200_nodes_fits_etcd_s_transactions_and_reads_once(
+    counted: tuple[EtcdStore, RequestCounter],
+) -> None:
+    """torch's agent sets one key per node with one multi_set and rank 0 reads them with
+    one multi_get (torchrun with our handler): etcd refuses a transaction of more than 128
+    operations, and a get per key was 200 round trips."""
+    store, counter = counted
+    keys = [f"torchelastic/role_info/{i}" for i in range(200)]
+    store.multi_set(keys, [f"v{i}" for i in range(200)])
+    assert _calls(counter) == {"get": 2, "put_if_mod_revision": 2}  # two batches of 100
+    store.set("torchelastic/role_infoX", "not asked for")
+    counter.take()
+    assert store.multi_get(keys) == [f"v{i}".encode() for i in range(200)]
+    assert store.check(keys) and not store.check([*keys, "absent"])
+    assert _calls(counter) == {"get_prefix": 3}
