@@ -5,9 +5,9 @@ size from its node record into the state, so every agent computes every worker's
 itself (``agent.loop.ranks``) instead of exchanging them through the round's store: no
 write and no read per round. Stored compactly: the distinct (role, local world size)
 pairs, and each participant's index into them, left out when there is one pair (every
-participant runs the same, the usual case: a few dozen bytes whatever the size of the
+participant runs the same, the usual case: under 100 bytes whatever the size of the
 run). With ``MAX_WORKER_KINDS`` pairs the index costs at most 3 bytes a participant (about
-30 kB at 10,000 nodes; ``tests/unit/test_state_codec.py`` keeps the state of 10,000 nodes
+39 kB at 10,000 nodes; ``tests/unit/test_state_codec.py`` keeps the state of 10,000 nodes
 under etcd's request limit with every list full and every participant different from its
 neighbour).
 """
