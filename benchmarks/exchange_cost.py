@@ -53,7 +53,7 @@ from coordinator.etcd_server import EtcdCluster
 from coordinator.torch_adapter.handler import EtcdRendezvousHandler
 from coordinator.torch_adapter.store_wait import wait_for_key
 
-__all__ = ["Fleet", "PhaseCost", "main", "measure"]
+__all__ = ["FORMATION", "Fleet", "PhaseCost", "main", "measure", "run_round"]
 
 T = TypeVar("T")
 _NODES_PER_CLIENT = 16
@@ -224,6 +224,31 @@ class Fleet:
         return exit_barrier(self.infos[i].store, self.n, 60.0, f"node {i}")
 
 
+FORMATION = ("formation", "ranks", "master", "preflight")
+"""The phases between a node's join and its workers' start: "writes per formation"."""
+
+
+def run_round(fleet: Fleet) -> dict[str, PhaseCost]:
+    """Form the next round, then run each phase on every node; what each cost.
+
+    Raises:
+        RuntimeError: a node failed, or the pre-flight check or exit barrier did not pass.
+    """
+    costs = {"formation": fleet.form()}
+    phases: list[tuple[str, Callable[[int], Any]]] = [
+        ("ranks", fleet.ranks),
+        ("master", fleet.master),
+        ("preflight", fleet.preflight),
+        ("exit_barrier", fleet.barrier),
+    ]
+    for name, body in phases:
+        cost, results = fleet.phase(body)
+        if name in ("preflight", "exit_barrier") and not all(results):
+            raise RuntimeError(f"{name} of {fleet.n} nodes did not pass: {results}")
+        costs[name] = cost
+    return costs
+
+
 def measure(
     endpoints: Sequence[str], metrics: Callable[[], str], n: int, rounds: int
 ) -> dict[str, Any]:
@@ -232,23 +257,12 @@ def measure(
     out: dict[str, Any] = {"nodes": n, "rounds": []}
     try:
         for _ in range(rounds):
-            costs = {"formation": fleet.form()}
-            for name, body in (
-                ("ranks", fleet.ranks),
-                ("master", fleet.master),
-                ("preflight", fleet.preflight),
-                ("exit_barrier", fleet.barrier),
-            ):
-                cost, results = fleet.phase(body)
-                if name in ("preflight", "exit_barrier") and not all(results):
-                    raise RuntimeError(f"{name} of {n} nodes did not pass: {results}")
-                costs[name] = cost
-            everything = ("formation", "ranks", "master", "preflight")
+            costs = run_round(fleet)
             out["rounds"].append(
                 {
                     "round": fleet.handlers[0].last_round,
                     "writes_per_formation": sum(
-                        costs[k].server.get("writes", 0) for k in everything
+                        costs[k].server.get("writes", 0) for k in FORMATION
                     ),
                     **{k: v.as_dict() for k, v in costs.items()},
                 }

@@ -29,27 +29,12 @@ import pytest
 
 from agent.loop.ranks import RoleInfo, exchange_ranks
 from benchmarks.etcd_counts import WATCH
-from benchmarks.exchange_cost import Fleet, PhaseCost
+from benchmarks.exchange_cost import FORMATION, Fleet, PhaseCost, run_round
 from coordinator.etcd_server import EtcdCluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 SIZES = (8, 16)
-
-
-def _round(fleet: Fleet) -> dict[str, PhaseCost]:
-    costs = {"formation": fleet.form()}
-    for name, body in (
-        ("ranks", fleet.ranks),
-        ("master", fleet.master),
-        ("preflight", fleet.preflight),
-        ("exit_barrier", fleet.barrier),
-    ):
-        cost, results = fleet.phase(body)  # type: ignore[arg-type]
-        costs[name] = cost
-        if name in ("preflight", "exit_barrier"):
-            assert all(results), (name, results)
-    return costs
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +45,7 @@ def rounds(etcd1: EtcdCluster) -> Iterator[dict[int, list[dict[str, PhaseCost]]]
     for n in SIZES:
         fleet = Fleet(etcd1.endpoints, etcd1.members[0].metrics, n)
         try:
-            first, again = _round(fleet), _round(fleet)
+            first, again = run_round(fleet), run_round(fleet)
 
             def through_store(i: int, fleet: Fleet = fleet) -> object:
                 return exchange_ranks(fleet.infos[i].store, RoleInfo("default", i, 1), fleet.n)
@@ -143,10 +128,7 @@ def test_a_formation_with_every_feature_on_writes_at_most_2n_plus_10_keys(
 ) -> None:
     for n in SIZES:
         for costs in rounds[n][:2]:
-            writes = sum(
-                costs[k].server.get("writes", 0)
-                for k in ("formation", "ranks", "master", "preflight")
-            )
+            writes = sum(costs[k].server.get("writes", 0) for k in FORMATION)
             assert writes <= 2 * n + 10, (n, {k: v.as_dict() for k, v in costs.items()})
             # The formation alone: N node keys, the commit(s), the round's event.
             assert costs["formation"].server.get("writes", 0) <= n + 4, (n, costs)
