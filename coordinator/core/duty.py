@@ -237,7 +237,7 @@ class CoordinatorDuty:
         deadline_round = -1
         paused = False  # the state key is unreadable: wait for a valid value
         store_floor: int | None = None  # read once per term, only if the key is absent
-        recorder = EventRecorder(me.node_id)
+        recorder = EventRecorder(me.node_id, self._wall_ms)
         try:
             while not self._stop.is_set():
                 current = self._membership()

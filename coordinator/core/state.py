@@ -26,6 +26,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from coordinator.core.errors import CorruptValueError
+from coordinator.core.worker_kinds import put_workers, read_workers
 from coordinator.generated import rendezvous_pb2 as pb
 
 __all__ = [
@@ -44,10 +45,13 @@ __all__ = [
     "encode_state",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """2 added ``incarnation`` to the state and the node records; a value of version 1 has none
 and decodes as incarnation 1 (a reader of version 1 refuses version 2 with "upgrade every
-agent of the run")."""
+agent of the run"). 3 added what each participant runs (``worker_kinds``,
+``worker_kind_of``) to the state; a value of version 2 has none (the agents then agree on
+ranks through the round's store)."""
+
 
 MAX_ROUND = 2**63 - 2
 """The highest round a state may hold: nodes ask for ``round + 1`` and a completion writes
@@ -137,6 +141,9 @@ class RdzvState:
         hang: the last hang declared (None: none); it concerns ``hang.round`` only.
         quarantined: nodes left out of the rounds for a while (failed or slow in the
             pre-flight check; :mod:`coordinator.core.quarantine`).
+        workers: (role, local world size) of each participant, by rank, from the node
+            records at completion; empty: not known
+            (:mod:`coordinator.core.worker_kinds`).
     """
 
     round: int = 0
@@ -156,6 +163,7 @@ class RdzvState:
     draining: tuple[str, ...] = ()
     hang: Hang | None = None
     quarantined: tuple[Quarantine, ...] = ()
+    workers: tuple[tuple[str, int], ...] = ()
 
     def quarantine_of(self, node_id: str) -> Quarantine | None:
         """The quarantine of ``node_id``, or None if it is not quarantined."""
@@ -268,6 +276,7 @@ def encode_state(state: RdzvState) -> bytes:
             for q in state.quarantined
         ],
     )
+    put_workers(msg, state.workers)
     if state.hang is not None:
         h = state.hang
         msg.hang.CopyFrom(
@@ -327,6 +336,7 @@ def _decode_state_cached(key: str, raw: bytes) -> RdzvState:
         quarantined=tuple(
             Quarantine(q.node_id, q.reason, q.until_unix_ms, q.addr) for q in msg.quarantined
         ),
+        workers=read_workers(key, msg, len(ids)),
     )
 
 

@@ -147,6 +147,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
         """The round of this node's last completed rendezvous (-1: none yet)."""
         self.last_members: tuple[str, ...] = ()
         """That round's node ids in group-rank order."""
+        self.last_workers: tuple[tuple[str, int], ...] = ()
+        """What each node of that round runs, (role, local world size) by group rank, as
+        the coordinator copied it from the node records (empty: not known)."""
         self.incarnation = 0
         """The incarnation of the run this node belongs to (0: it has not asked to join
         yet). Taken at the first join and kept: a node never joins another incarnation."""
@@ -383,6 +386,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     self._clock() - start,
                 )  # fmt: skip
                 self.last_round, self.last_members = state.round, state.participants
+                self.last_workers = state.workers
                 return self._info(state, rank)
             ctx = JoinContext(
                 run_id, self.node_id, self.incarnation, wanted, self._settings.join_timeout,
