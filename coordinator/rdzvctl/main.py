@@ -1,11 +1,12 @@
 """``rdzvctl``: the operator's view of etcd-elastic runs (status, watch, list, close, drain,
 gc).
 
-The command line is parsed and checked in :mod:`coordinator.rdzvctl.cli` (exit code 2 on
-a bad value, before anything connects); the commands run in
-:mod:`coordinator.rdzvctl.commands`, which reads through :mod:`coordinator.rdzvctl.model`,
-follows in :mod:`coordinator.rdzvctl.watch`, writes through :mod:`coordinator.rdzvctl.ops`
-and prints with :mod:`coordinator.rdzvctl.format`. Exit codes::
+The command line is parsed by :mod:`coordinator.rdzvctl.parser` and checked in
+:mod:`coordinator.rdzvctl.cli` (exit code 2 on a bad value, before anything connects);
+the commands run in :mod:`coordinator.rdzvctl.commands`, which reads through
+:mod:`coordinator.rdzvctl.model`, follows in :mod:`coordinator.rdzvctl.watch`, writes
+through :mod:`coordinator.rdzvctl.ops` and prints with :mod:`coordinator.rdzvctl.format`.
+Exit codes::
 
     0  done
     1  run not found, a value does not decode, or the operation failed
