@@ -2,7 +2,8 @@
 
 Loaded only once the command line has been checked (:func:`coordinator.rdzvctl.main.run_command`):
 this is where grpc and the etcd client come in. Within it, each command imports what
-only it needs (gc's writer, the watch loop), so ``status`` and ``list`` load neither.
+only it needs (gc's writer, the watch loop, the run's timeline and its event types), so
+``status`` and ``list`` load none of them.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from coordinator.rdzvctl.format import (
     status_json,
     status_lines,
 )
-from coordinator.rdzvctl.history import read_history
 from coordinator.rdzvctl.model import RunSnapshot, list_runs, phase, read_run
 
 if TYPE_CHECKING:
@@ -217,7 +217,13 @@ def _no_events(keys: RunKeys) -> _Failed:
 def _events(client: EtcdClient, opts: Options, out: _Out) -> int:
     import queue
 
-    from coordinator.rdzvctl.history import Stop, event_json, event_line, follow_history
+    from coordinator.rdzvctl.history import (
+        Stop,
+        event_json,
+        event_line,
+        follow_history,
+        read_history,
+    )
 
     keys = _run_keys(opts)
     _require_run(client, keys)
@@ -254,6 +260,7 @@ def _events(client: EtcdClient, opts: Options, out: _Out) -> int:
 
 
 def _timeline(client: EtcdClient, opts: Options, out: _Out) -> int:
+    from coordinator.rdzvctl.history import read_history
     from coordinator.rdzvctl.timeline import draw, prepare
 
     keys = _run_keys(opts)
