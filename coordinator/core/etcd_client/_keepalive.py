@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
-from etcd3 import etcdrpc
 
 from coordinator.core.errors import EtcdConnectionError
 from coordinator.core.etcd_client._connection import Metadata, _stream_metadata
+from coordinator.core.etcd_client._etcdrpc import etcdrpc
 from coordinator.core.etcd_client._failover import (
     NOT_FOUND,
     REAUTH,

@@ -5,9 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from etcd3 import etcdrpc
-
 from coordinator.core.etcd_client._connection import _Connection
+from coordinator.core.etcd_client._etcdrpc import etcdrpc
 from coordinator.core.etcd_client._types import (
     KeyValue,
     TxnResult,

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
-from etcd3 import etcdrpc
 
 from coordinator.core.errors import EtcdAuthError, EtcdConnectionError
 from coordinator.core.etcd_client._connection import Metadata, _stream_metadata
+from coordinator.core.etcd_client._etcdrpc import etcdrpc
 from coordinator.core.etcd_client._failover import (
     PERMISSION,
     REAUTH,
