@@ -29,12 +29,10 @@ from coordinator.core.keys import (
     validate_run_id,
 )
 
-# Re-exported: the rest of rdzvctl (and its tests) import the program's names from here.
+# The program's names live with the parser (its help text shows them); the ones the rest
+# of rdzvctl imports from here are re-exported.
 from coordinator.rdzvctl.parser import (
-    COMMANDS,
     DEFAULT_ENDPOINT,
-    DEFAULT_READ_TIMEOUT,
-    EXIT_BAD_ARGS,
     EXIT_FAILED,
     EXIT_OK,
     EXIT_UNREACHABLE,
@@ -48,19 +46,13 @@ if TYPE_CHECKING:
     from coordinator.core.etcd_client import EtcdConfig
 
 __all__ = [
-    "COMMANDS",
-    "DEFAULT_ENDPOINT",
-    "DEFAULT_READ_TIMEOUT",
-    "EXIT_BAD_ARGS",
     "EXIT_FAILED",
     "EXIT_OK",
     "EXIT_UNREACHABLE",
-    "PASSWORD_ENV",
     "PROG",
     "SHARED_PASSWORD_ENV",
     "Options",
     "UsageError",
-    "build_parser",
     "parse_args",
     "parse_duration",
 ]
