@@ -1,6 +1,6 @@
 """The validated launch configuration: what ``etcdrun``'s command line means.
 
-Built by :mod:`agent.cli` (which validates every value and names the flag on error) and
+Built by :mod:`agent.cli.etcdrun` (which validates every value and names the flag on error) and
 consumed by the agent loop. Frozen: nothing changes it after parsing.
 """
 
@@ -50,7 +50,7 @@ class LaunchConfig:
         exit_barrier_timeout: seconds to wait for other agents after local success.
         stop_grace_period: seconds between SIGTERM and SIGKILL when stopping workers.
         warm_start: start restarted workers from interpreters started ahead
-            (:mod:`agent.warm`); ``--no-warm-start`` turns it off.
+            (:mod:`agent.workers.warm`); ``--no-warm-start`` turns it off.
         warm_modules: what those interpreters import ahead (``--warm-modules``).
         warm_pool_size: how many are kept per local worker (``--warm-pool-size``).
         drain_signal: the early warning a leaving agent's workers get first (drained by an
@@ -60,7 +60,7 @@ class LaunchConfig:
             free port); None: no metrics endpoint.
         metrics_addr: the address it listens on (``--metrics-addr``).
         hang_timeout: ``--hang-timeout``: seconds a node's workers may report no progress
-            (``agent.progress.report_progress``) before the run re-forms, a counted
+            (``etcd_elastic.progress.report_progress``) before the run re-forms, a counted
             restart on every node (``docs/hang-detection.md``). None: off.
         health_check: run the pre-flight check before the workers of each round start
             (``--health-check``; docs/health-check.md).

@@ -48,7 +48,7 @@ def agent_argv(system: System, run_id: str, endpoint: str, out: Path) -> list[st
     ]
     tail = [str(_SCRIPT), str(out)]
     if system.name == "etcd-v3":
-        launcher = "import sys; from agent.cli import main; sys.exit(main())"
+        launcher = "import sys; from agent.cli.etcdrun import main; sys.exit(main())"
         return [sys.executable, "-c", launcher, "--rdzv-backend=etcd-v3", *common, *tail]
     return [
         sys.executable, "-m", "torch.distributed.run",
@@ -162,11 +162,6 @@ def worker_failure(args: argparse.Namespace) -> dict[str, Any]:
     def run(system: System, _: int) -> Sample:
         return _one_run(system, timeout)
 
-    def unavailable(name: str) -> str | None:
-        if name == "etcd-v3" and not (REPO_ROOT / "agent" / "cli.py").is_file():
-            return "etcdrun is not available yet: agent/cli.py does not exist"
-        return None
-
     shared = {
         "nnodes": _NNODES,
         "nproc_per_node": _NPROC,
@@ -174,7 +169,7 @@ def worker_failure(args: argparse.Namespace) -> dict[str, Any]:
         "launcher": "etcdrun (ours) / torchrun (torch), each agent's defaults otherwise",
     }
     systems = measure(
-        args.systems, run, args.repeat, shared, lease_ttl=args.lease_ttl, unavailable=unavailable
+        args.systems, run, args.repeat, shared, lease_ttl=args.lease_ttl
     )
     method = (
         f"{_NNODES} real agents x {_NPROC} workers (worker_script.py, standard library only) "

@@ -57,7 +57,7 @@ def _agent(
     run_id: str, endpoint: str, n: int, script: Path, log: Path, env: dict[str, str]
 ) -> subprocess.Popen[bytes]:
     argv = [
-        sys.executable, "-c", "import sys; from agent.cli import main; sys.exit(main())",
+        sys.executable, "-c", "import sys; from agent.cli.etcdrun import main; sys.exit(main())",
         f"--nnodes={n}", "--nproc-per-node=1", f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={run_id}", "--max-restarts=1", "--no-warm-start", "--health-check",
         "--rdzv-conf=lease_ttl=5", str(script),

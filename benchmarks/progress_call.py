@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from agent.progress import PROGRESS_FILE_ENV, ProgressFile
+from etcd_elastic.progress import PROGRESS_FILE_ENV, ProgressFile
 
 __all__ = ["main"]
 
@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 _TIMED = """
 import timeit, sys
-from agent.progress import report_progress
+from etcd_elastic.progress import report_progress
 def empty(step):
     pass
 fn = empty if sys.argv[1] == "empty" else report_progress
@@ -45,7 +45,7 @@ print(best / calls * 1e9)
 """
 
 _LOOP = """
-from agent.progress import report_progress
+from etcd_elastic.progress import report_progress
 for step in range(100000):
     report_progress(step)
 """

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.history import read_history
+from agent.observe.journal import read_journal
 from benchmarks.procs import RunError
 from benchmarks.recovery_breakdown import (
     Breakdown,
@@ -115,7 +115,7 @@ def _one_run(
             recovered = job.wait_step(t_fail, world, t_fail + timeout, "the next attempt")
         except RunError as exc:
             raise RunError(f"did not recover within {timeout:g} s: {exc}") from None
-        events = read_history(job.history) if spec.system == "etcd-v3" else []
+        events = read_journal(job.history) if spec.system == "etcd-v3" else []
         before = [w for w in job.workers() if w.times["start"] < t_fail]
         return breakdown(t_fail, recovered, events, before), settled
     except RunError as exc:

@@ -1,7 +1,7 @@
 """Pure part of the recovery benchmark: from stamps to the time and its breakdown.
 
 Inputs are the worker stamps (``benchmarks/recovery_worker.py``: one JSON line per
-milestone) and, for ours, the agents' run history (``agent/history.py``: ``round`` and
+milestone) and, for ours, the agents' run history (``agent/observe/journal.py``: ``round`` and
 ``workers_stopped`` events). All times are ``time.monotonic()`` of one machine, one
 clock for every process. Nothing here does I/O or reads a clock.
 

@@ -80,7 +80,7 @@ class JobSpec:
         ]
         tail = [str(WORKER_SCRIPT), str(out), str(checkpoint)]
         if self.system == "etcd-v3":
-            launcher = "import sys; from agent.cli import main; sys.exit(main())"
+            launcher = "import sys; from agent.cli.etcdrun import main; sys.exit(main())"
             conf = f"--rdzv-conf=lease_ttl={self.lease_ttl}"
             return [sys.executable, "-c", launcher, "--rdzv-backend=etcd-v3", conf, *common, *tail]
         # torchrun's own deployment: the agent on the endpoint's host hosts the TCPStore.
@@ -148,7 +148,7 @@ class Job:
             p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p
         )
         if spec.system == "etcd-v3":
-            child_env["ETCD_ELASTIC_HISTORY"] = str(self.history)
+            child_env["ETCD_ELASTIC_JOURNAL"] = str(self.history)
         else:
             # With torch 2.13's default (the workers reuse the agent's TCPStore across
             # attempts) a restart's gloo init reads the dead attempt's addresses and fails

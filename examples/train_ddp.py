@@ -21,7 +21,7 @@ changes the membership; ``--report`` appends one JSON line per worker and attemp
 the step's collectives and before it reports the step: what etcdrun's ``--hang-timeout``
 detects.
 
-Every step ends with ``report_progress(global_step)`` (``agent.progress``): one line that
+Every step ends with ``report_progress(global_step)`` (``etcd_elastic.progress``): one line that
 lets ``etcdrun --hang-timeout`` notice a worker that is alive but stuck. Without etcdrun
 (or without etcd-elastic installed) it does nothing.
 """
@@ -47,7 +47,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
 try:
-    from agent.progress import pause_progress, report_progress
+    from etcd_elastic import pause_progress, report_progress
 except ImportError:  # run without etcd-elastic installed: progress goes nowhere
 
     def report_progress(step: int) -> None:
@@ -144,6 +144,14 @@ def _default_single_process_env() -> None:
     )
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def started_warm() -> bool:
+    """Whether this worker began as one of etcdrun's warm interpreters (Linux only)."""
+    try:
+        return b"warm_process" in Path("/proc/self/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def _env_int(name: str, default: int = 0) -> int:
@@ -312,6 +320,12 @@ def main(argv: list[str] | None = None) -> None:
                     "start_epoch": start_epoch,
                     "pid": os.getpid(),
                     "time": time.time(),
+                    "device": str(device),
+                    "backend": backend,
+                    # A worker started from the agent's warm pool was an interpreter that
+                    # had imported torch before it became this worker (docs/warm-start.md):
+                    # only the kernel's command line still says so.
+                    "warm": started_warm(),
                     "env": {name: os.environ.get(name) for name in TORCHRUN_ENV},
                 },
             )

@@ -8,8 +8,8 @@ import textwrap
 import threading
 from pathlib import Path
 
-from agent.agent import Agent
 from agent.config import LaunchConfig
+from agent.loop.agent import Agent
 from coordinator.etcd_server import EtcdCluster
 from tests.rdzv_helpers import make_handler
 

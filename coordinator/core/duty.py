@@ -42,10 +42,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from coordinator.core.commit_events import EventRecorder
 from coordinator.core.errors import CorruptValueError, EtcdElasticError
 from coordinator.core.etcd_client import EtcdClient, Watch, WatchEvent
 from coordinator.core.event_log import EventLog
-from coordinator.core.events import EventRecorder
 from coordinator.core.executor import Commit, Fence, StateExecutor
 from coordinator.core.keys import RunKeys
 from coordinator.core.node_table import NodeTable

@@ -215,13 +215,25 @@ class EventLog:
                     self._busy = False
                     self._cond.notify_all()
 
+    def _trimmed_below(self) -> int:
+        """The create revision below which events may have been trimmed (0: none were).
+
+        Only a log at its limit was ever trimmed (a trim leaves exactly ``limit``, and
+        events are only added otherwise): below it, no floor, or an event written before
+        this log's first batch (a close recorded at once) would hide the joins queued
+        here, which are older facts."""
+        count, _ = self._client.count_prefix(self._keys.events_prefix)
+        if count < self._limit:
+            return 0
+        oldest, _ = self._client.get_prefix(
+            self._keys.events_prefix, sort_by_create=True, limit=1, keys_only=True
+        )
+        return oldest[0].create_revision if oldest else 0
+
     def _write(self, batch: list[Event]) -> None:
         try:
             if self._oldest_kept is None:
-                oldest, _ = self._client.get_prefix(
-                    self._keys.events_prefix, sort_by_create=True, limit=1, keys_only=True
-                )
-                self._oldest_kept = oldest[0].create_revision if oldest else 0
+                self._oldest_kept = self._trimmed_below()
             floor = self._oldest_kept
             batch = [e for e in batch if not (e.kind == "joined" and e.revision < floor)]
             self.written += write_events(self._client, self._keys, batch)

@@ -25,22 +25,26 @@ commit's revision), else by the revision at which the event was written. Wall ti
 informational (``unix_ms``: the writer's clock; machines' clocks are never compared to
 order anything).
 
-Everything here is pure; writing is :mod:`coordinator.core.event_log`.
+Everything here is pure; what a coordinator's commit records is
+:mod:`coordinator.core.commit_events`, writing is :mod:`coordinator.core.event_log`.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Literal
 
 from google.protobuf import json_format
 
 from coordinator.core.errors import CorruptValueError
 from coordinator.core.etcd_client import KeyValue
-from coordinator.core.state import CloseMode, NodeInfo, RdzvState
-from coordinator.core.transitions import Action, ActionKind
+from coordinator.core.state import (
+    CLOSE_MODE_CODES,
+    CloseMode,
+    close_mode_of,
+)
 from coordinator.generated import rendezvous_pb2 as pb
 
 __all__ = [
@@ -48,11 +52,9 @@ __all__ = [
     "Cause",
     "Event",
     "EventKind",
-    "EventRecorder",
     "decode_event",
     "encode_event",
     "event_id",
-    "events_of_commit",
     "order_events",
     "read_events",
     "trim_count",
@@ -95,18 +97,6 @@ _CAUSES: dict[str, int] = {
     "hung": pb.DEPARTURE_CAUSE_HUNG,
 }
 _CAUSE_NAMES = {v: k for k, v in _CAUSES.items()}
-_MODES: dict[str, int] = {
-    "unspecified": pb.CLOSE_MODE_UNSPECIFIED,
-    "finished": pb.CLOSE_MODE_FINISHED,
-    "failed": pb.CLOSE_MODE_FAILED,
-    "drain": pb.CLOSE_MODE_DRAIN,
-}
-_MODE_NAMES: dict[int, CloseMode] = {
-    pb.CLOSE_MODE_UNSPECIFIED: "unspecified",
-    pb.CLOSE_MODE_FINISHED: "finished",
-    pb.CLOSE_MODE_FAILED: "failed",
-    pb.CLOSE_MODE_DRAIN: "drain",
-}
 # A summary is one line for people; a traceback belongs in the agent's log.
 _MAX_SUMMARY = 500
 
@@ -167,8 +157,11 @@ def event_id(event: Event) -> str:
     ``joined/<node>/<n>`` and ``departed/<node>/<n>`` (n: the create revision of the node's
     key, which a re-join changes), ``round_completed/<round>``,
     ``restarted/<node>/<restart count>``, ``closed/<incarnation>``,
-    ``health_checked/<node>/<round>``, and for the rest
-    ``<kind>/<node or run>/<unix ms>``.
+    ``health_checked/<node>/<round>``, ``fault/<node>/<cause>-<round>`` (a hang is
+    declared once per round, a node quarantined once per round's check: two nodes that
+    record the same fault write one key), and ``drain_requested/<node>/<n>`` (n: the
+    revision of the drain's write; the writer's wall-clock milliseconds when it has none).
+    No id holds a wall time that two writers of one fact would not share.
     """
     kind = event.kind
     node = event.node_id or "run"
@@ -182,7 +175,9 @@ def event_id(event: Event) -> str:
         return f"{kind}/{event.incarnation}"
     if kind == "health_checked":
         return f"{kind}/{node}/{event.round}"
-    return f"{kind}/{node}/{event.unix_ms}"
+    if kind == "fault":
+        return f"{kind}/{node}/{event.cause or 'unspecified'}-{event.round}"
+    return f"{kind}/{node}/{event.revision or event.unix_ms}"
 
 
 def encode_event(event: Event) -> bytes:
@@ -199,7 +194,7 @@ def encode_event(event: Event) -> bytes:
         written_by=event.written_by,
         summary=_one_line(event.summary),
         restart_count=event.restart_count,
-        close_mode=_MODES[event.close_mode],  # type: ignore[arg-type]
+        close_mode=CLOSE_MODE_CODES[event.close_mode],  # type: ignore[arg-type]
         incarnation=event.incarnation,
     )
     fields = json_format.MessageToDict(message, preserving_proto_field_name=True)
@@ -246,7 +241,7 @@ def decode_event(key: str, raw: bytes, written_revision: int = 0) -> Event:
         written_by=message.written_by,
         summary=message.summary,
         restart_count=message.restart_count,
-        close_mode=_MODE_NAMES.get(message.close_mode, "unspecified"),
+        close_mode=close_mode_of(message.close_mode),
         incarnation=message.incarnation,
         written_revision=written_revision,
         key=key,
@@ -278,142 +273,3 @@ def trim_count(count: int, limit: int) -> int:
     batch now and then, not a delete per write), then back down to the limit."""
     slack = max(1, limit // 10)
     return count - limit if count > limit + slack else 0
-
-
-def events_of_commit(
-    before: RdzvState,
-    after: RdzvState,
-    actions: Sequence[Action],
-    revision: int,
-    generations: Mapping[str, int],
-    live: Collection[str] | None = None,
-) -> list[Event]:
-    """The events a coordinator's successful commit records.
-
-    Args:
-        before, after: the state the commit was decided from, and the one it wrote.
-        actions: what it applied.
-        revision: the commit's etcd revision.
-        generations: node id -> create revision of its key, for the nodes the coordinator
-            has seen (a departure's id names the key that went).
-        live: the participants of ``before`` whose key was alive when it decided: one
-            whose key went and whom a completed round leaves out departed, even when no
-            commit marked it lost first (the others re-joined before its lease ended).
-            None: not known (no such departure is recorded).
-    """
-    out: list[Event] = []
-
-    def departed(node: str, cause: Cause) -> None:
-        out.append(
-            Event(
-                "departed",
-                node_id=node,
-                cause=cause,
-                round=before.round,
-                revision=revision,
-                incarnation=before.incarnation,
-                generation=generations.get(node, 0),
-            )
-        )
-
-    for action in actions:
-        kind = action.kind
-        if kind is ActionKind.MARK_RENDEZVOUS_COMPLETE:
-            gone = (
-                set()
-                if live is None
-                else set(before.participants) - set(after.participants) - set(live)
-            )
-            for node in before.participants:
-                if node in gone and node not in before.lost and node not in before.draining:
-                    departed(node, "lease_expired")
-            out.append(
-                Event(
-                    "round_completed",
-                    round=after.round,
-                    members=after.participants,
-                    revision=revision,
-                    incarnation=after.incarnation,
-                )
-            )
-        elif kind is ActionKind.REMOVE_FROM_DRAINING:
-            for node in action.node_ids:
-                departed(node, "drained")
-        elif kind in (
-            ActionKind.REMOVE_FROM_PARTICIPANTS,
-            ActionKind.REMOVE_FROM_WAIT_LIST,
-            ActionKind.REMOVE_FROM_REDUNDANCY_LIST,
-        ):
-            for node in action.node_ids:
-                # A participant being drained is counted lost while its key still lives;
-                # its departure is recorded when the key goes (REMOVE_FROM_DRAINING).
-                if node not in before.draining:
-                    # Its key went without the node saying it leaves (a node that leaves
-                    # on its own records "left" first, and that write wins).
-                    departed(node, "lease_expired")
-        elif kind is ActionKind.MARK_RENDEZVOUS_CLOSED:
-            out.append(
-                Event(
-                    "closed",
-                    round=after.round,
-                    summary=action.reason,
-                    close_mode=action.mode,
-                    revision=revision,
-                    incarnation=after.incarnation,
-                )
-            )
-    return out
-
-
-class EventRecorder:
-    """The coordinator's part of the timeline: joins from its node table, rounds and
-    departures from its commits. Pure bookkeeping; the events go to a sink (the
-    background :class:`~coordinator.core.event_log.EventLog`).
-
-    Not thread-safe: called from the coordinator's thread only.
-    """
-
-    def __init__(self, written_by: str) -> None:
-        self._written_by = written_by
-        self._generations: dict[str, int] = {}
-        self.pending: list[Event] = []
-
-    def appeared(self, state: RdzvState, nodes: Mapping[str, NodeInfo]) -> None:
-        """Note node keys that appeared (``joined``), as the node table reports them
-        (:meth:`~coordinator.core.node_table.NodeTable.take_appeared`): O(new keys), so
-        a formation of N nodes records its joins in O(N). A key already noted (the
-        table re-read after a resync) is not noted twice."""
-        for node_id, info in nodes.items():
-            if self._generations.get(node_id) == info.create_revision:
-                continue
-            self._generations[node_id] = info.create_revision
-            self.pending.append(
-                Event(
-                    "joined",
-                    node_id=node_id,
-                    round=state.round,
-                    revision=info.create_revision,
-                    incarnation=info.incarnation,
-                    written_by=self._written_by,
-                )
-            )
-
-    def committed(
-        self,
-        before: RdzvState,
-        after: RdzvState,
-        actions: Sequence[Action],
-        revision: int,
-        live: Collection[str] | None = None,
-    ) -> None:
-        """Note what a successful commit did (rounds, departures); ``live``: see
-        :func:`events_of_commit`."""
-        for event in events_of_commit(before, after, actions, revision, self._generations, live):
-            self.pending.append(replace(event, written_by=self._written_by))
-            if event.kind == "departed":
-                self._generations.pop(event.node_id, None)
-
-    def take(self) -> list[Event]:
-        """The events noted since the last call."""
-        taken, self.pending = self.pending, []
-        return taken

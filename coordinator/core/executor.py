@@ -3,7 +3,9 @@
 Every change to ``<prefix>/<run>/state`` goes through :class:`StateExecutor`, whoever
 asks for it: the elected coordinator (round changes), a closing node or ``rdzvctl close``
 (the one ``close`` concept, with its modes ``finished``, ``failed`` and ``drain``), and
-``rdzvctl gc`` (close, then remove). Each write is one etcd transaction:
+``rdzvctl gc`` (close, then remove). The state key goes on the run's lease like every key
+of the run that no node owns (:mod:`coordinator.core.run_lease`: the writer's client
+binds the run's folder to it). Each write is one etcd transaction:
 
 * guarded by the state's mod_revision (0: the key must be absent), so a write decided
   from a stale state never lands;
@@ -19,15 +21,14 @@ and retries closes. It holds no lock and keeps no state between calls.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from coordinator.core.commit_events import events_of_commit
 from coordinator.core.errors import EtcdElasticError
 from coordinator.core.etcd_client import EtcdClient, KeyValue
 from coordinator.core.event_log import record_event
-from coordinator.core.events import events_of_commit
 from coordinator.core.keys import RunKeys
 from coordinator.core.state import CloseMode, RdzvState, decode_state, encode_state
 from coordinator.core.store_rounds import round_prefixes
@@ -126,7 +127,6 @@ class StateExecutor:
         *,
         fence: Fence | None = None,
         delete_prefixes: Sequence[bytes] = (),
-        lease: int = 0,
     ) -> Commit:
         """Write ``apply(state, actions)`` if the state is still at ``known``'s revision.
 
@@ -134,8 +134,7 @@ class StateExecutor:
         deletes the store). ``delete_prefixes`` go in the same transaction, and so does
         the store of the round two before a round that this write completes, and the
         whole store when this write starts a new incarnation (every node of the old one
-        has left). ``lease``: the state key is bound to it (the retention of an ended
-        run); a write without one unbinds it.
+        has left).
         """
         state, mod_revision = known
         new = apply(state, actions, written_by=self._written_by, now_unix_ms=self._wall_ms())
@@ -148,7 +147,6 @@ class StateExecutor:
             self._keys.state,
             encode_state(new),
             mod_revision,
-            lease=lease,
             also_delete_prefixes=[*delete_prefixes, *stale],
             fence=None if fence is None else (fence.key, fence.create_revision),
         )
@@ -211,7 +209,6 @@ class StateExecutor:
         known: tuple[RdzvState, int] | None = None,
         on_conflict: Callable[[KeyValue | None, int], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
-        retention: float = 0,
         incarnation: int = 0,
     ) -> CloseOutcome:
         """Close the run: compare-and-swap until it sticks.
@@ -229,10 +226,6 @@ class StateExecutor:
             known: the state and mod_revision the caller already holds (saves a read).
             on_conflict: told of the current value after each lost race.
             clock: monotonic seconds.
-            retention: seconds the closed state is kept before etcd removes it (the state
-                key is bound to a lease of that TTL, granted here; 0: kept until
-                ``rdzvctl gc``). The lease is not kept alive; a later write (a new
-                incarnation) unbinds the key.
             incarnation: close only that incarnation (0: the current one); the run of
                 another is left as it is (``changed`` False).
 
@@ -243,14 +236,11 @@ class StateExecutor:
         """
         deadline = clock() + timeout
         state, mod_revision = self.read() if known is None else known
-        lease = 0
         while True:
             actions = close(state, reason, mode, incarnation)
             if not actions:
                 return CloseOutcome(state, mod_revision, changed=False)
-            if retention > 0 and not lease:
-                lease = self._client.lease_grant(max(1, math.ceil(retention)))
-            outcome = self.commit((state, mod_revision), actions, lease=lease)
+            outcome = self.commit((state, mod_revision), actions)
             if outcome.succeeded:
                 # The run's timeline (best effort, a short wait at most: a close is not on
                 # any formation's path, and the closer may be about to exit).

@@ -1,11 +1,13 @@
-"""One node's I/O for hang detection: publish its progress, read the others', declare.
+"""One node's I/O for hang detection: its suspicion, the others', the declaration.
 
-What the agent's hang watch (``agent/hang.py``) does through the rendezvous handler, kept
-here so the handler stays a thin adapter. Three calls, none on a training step's path:
+What the agent's hang watch (``agent/health/hang.py``) does through the rendezvous handler, kept
+here so the handler stays a thin adapter. Four calls, none on a training step's path and
+none while the node's workers make progress:
 
 * :meth:`ProgressBoard.publish` puts this node's :class:`NodeProgress` at
   ``progress/<node_id>`` on the node's current lease (no lease, no write: the record must
-  never outlive the node);
+  never outlive the node), when the node begins to suspect a hang;
+* :meth:`ProgressBoard.withdraw` deletes it, when the node makes progress again;
 * :meth:`ProgressBoard.read` reads every node's record in one range request (only when
   this node is about to declare a hang);
 * :meth:`ProgressBoard.declare` records a :class:`Hang` in the state through the one
@@ -78,6 +80,14 @@ class ProgressBoard:
         except LeaseLostError:
             return False  # the node re-joins with a new lease; the next write uses it
         return True
+
+    def withdraw(self) -> None:
+        """Delete this node's record (it made progress again); nothing if there is none.
+
+        Raises:
+            EtcdConnectionError: etcd did not answer.
+        """
+        self._client.delete(self._keys.progress(self._node_id))
 
     def read(self) -> dict[str, NodeProgress]:
         """Every readable progress record of the run by node id (one range request); a

@@ -7,7 +7,11 @@ Layout (documented for operators in ``docs/keys.md``)::
     <key_prefix>/<run_id>/store/<round>/<encoded key>    the torch Store of one round
     <key_prefix>/<run_id>/progress/<node_id>             a node's last training progress,
                                                          on its lease (hang detection)
-    <key_prefix>/<run_id>/events/<kind>/<…>              the run's timeline (no lease)
+    <key_prefix>/<run_id>/events/<kind>/<…>              the run's timeline
+
+The node and progress keys hang on their node's lease; every other key of a run hangs on
+the run's lease (``coordinator.core.run_lease``), so nothing of a run outlives its
+retention.
 
 Nothing in a key comes unescaped from user input: run ids, key prefixes and node ids use a
 closed character set (so ``job`` can never be a prefix of ``job/x``'s keys: ``/`` is not

@@ -1,19 +1,22 @@
 """Training progress of the nodes of a run, and who stopped first when they hang.
 
-Each agent publishes its workers' last progress (:class:`NodeProgress`) at
-``<prefix>/<run>/progress/<node_id>``, bound to its lease, so ``rdzvctl status`` shows
-every node's last step and its age and a node that declares a hang can tell who stopped
-first (:func:`who_stopped_first`). The key is apart from ``nodes/`` on purpose: the
-coordinator watches ``nodes/``, and progress must not wake it.
+An agent writes its workers' last progress (:class:`NodeProgress`) at
+``<prefix>/<run>/progress/<node_id>``, bound to its lease, only while it **suspects** a
+hang (its workers made no progress for most of ``--hang-timeout``), and deletes it when
+they make progress again: a healthy node writes nothing. So ``rdzvctl status`` shows the
+stalled nodes and their steps, and a node that declares a hang reads every suspicion
+with one range read to tell who stopped first (:func:`who_stopped_first`). The key is
+apart from ``nodes/`` on purpose: the coordinator watches ``nodes/``, and progress must
+not wake it.
 
-Everything here is pure except nothing: the codec and the rule. The agent side (reading
-the workers' progress file, publishing, declaring) is ``agent/hang.py``; the rule and its
+Everything here is pure: the codec and the rule. The agent side (reading the workers'
+progress file, suspecting, declaring) is ``agent/health/hang.py``; the rule and its
 limits are explained in ``docs/hang-detection.md``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from coordinator.core.errors import CorruptValueError
@@ -25,18 +28,21 @@ __all__ = ["Blame", "NodeProgress", "decode_progress", "encode_progress", "who_s
 
 @dataclass(frozen=True)
 class NodeProgress:
-    """One node's last reported progress (the ``progress/<node_id>`` value).
+    """One node's progress when it suspected a hang (the ``progress/<node_id>`` value).
 
     Attributes:
         node_id: the node.
-        round: the round whose workers reported.
+        round: the round whose workers stalled.
         step: the lowest step over the node's local workers that reported.
-        age_ms: milliseconds since that step was reported, when this value was written.
+        age_ms: milliseconds since that step was reported, when this value was written
+            (the node's silence when it began to suspect).
         reported_at_unix_ms: the node's wall clock at that report (informational).
         workers_reporting: local workers that reported in ``round``.
         local_world_size: the node's workers.
-        stalled: no progress for ``hang_timeout_ms``.
-        hang_timeout_ms: the node's ``--hang-timeout`` (0: detection off).
+        stalled: the node suspects a hang; always true in what an agent writes now (an
+            agent of an earlier version also wrote records of healthy nodes, with false:
+            those are no suspicion).
+        hang_timeout_ms: the node's ``--hang-timeout``.
     """
 
     node_id: str
@@ -92,9 +98,10 @@ class Blame:
     Attributes:
         nodes: the node(s) that stopped first, sorted.
         step: the step they reported last.
-        behind: True when they are at a lower step than another reporting node; False
-            when every reporting node is at that step (a tie that progress cannot break:
-            ``nodes`` is then the declaring node, the first to reach the timeout).
+        behind: True when they stopped while others went on: at a lower step than another
+            stalled node, or stalled while some node of the round was not; False when
+            every node of the round is stalled at that step (a tie that progress cannot
+            break: ``nodes`` is then the declaring node, the first to reach the timeout).
     """
 
     nodes: tuple[str, ...]
@@ -103,31 +110,44 @@ class Blame:
 
 
 def who_stopped_first(
-    declarer: str, own_step: int, records: Mapping[str, NodeProgress], round: int
+    declarer: str,
+    own_step: int,
+    records: Mapping[str, NodeProgress],
+    round: int,
+    participants: Collection[str] = (),
 ) -> Blame:
     """Name the node(s) that stopped first in ``round`` (pure).
+
+    ``records`` are the round's suspicions: a node writes its record only once its own
+    workers made no progress for most of the timeout (each node measures that on its own
+    monotonic clock; clocks of two machines are never compared), and deletes it when it
+    makes progress again. A node of the round without a record was therefore not stalled
+    (or its script does not report).
 
     The rule, for a synchronous job (every step ends in a collective, as with DDP or
     FSDP): a node cannot finish step ``k + 1`` before every other node finished step
     ``k``, so when the job stops, a node at a lower step than the others is the one that
-    stopped first, and the others wait for it. So: the nodes at the **lowest step** among
-    the round's progress records; if every reporting node is at that same step, progress
+    stopped first, and the others wait for it. So: the stalled nodes at the **lowest
+    step**, when another stalled node is at a higher step or some node of the round is
+    not stalled; if every node of the round is stalled at that same step, progress
     cannot tell them apart, and the **declaring node** is named, being the one whose own
-    workers' last report was the oldest when it reached the timeout (each node measures
-    that on its own monotonic clock; clocks of two machines are never compared).
+    workers' last report was the oldest when it reached the timeout.
 
     Args:
         declarer: the node declaring the hang (its own workers made no progress for the
             timeout).
-        own_step: the declarer's step, from its workers directly (fresher than its record).
+        own_step: the declarer's step, from its workers directly.
         records: progress records by node id, as read from etcd; records of another
-            round are ignored.
+            round, or not ``stalled``, are ignored.
         round: the round the hang is declared in.
+        participants: the nodes of ``round`` (empty: unknown, then every node is taken
+            as stalled).
     """
-    steps = {node: p.step for node, p in records.items() if p.round == round}
+    steps = {node: p.step for node, p in records.items() if p.round == round and p.stalled}
     steps[declarer] = own_step
     lowest = min(steps.values())
     at_lowest = tuple(sorted(node for node, step in steps.items() if step == lowest))
-    if len(at_lowest) < len(steps):
+    not_stalled = set(participants) - steps.keys()
+    if len(at_lowest) < len(steps) or not_stalled:
         return Blame(at_lowest, lowest, behind=True)
     return Blame((declarer,), lowest, behind=False)

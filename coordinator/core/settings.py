@@ -16,8 +16,9 @@ close_timeout       30         seconds to wait for the others when closing
 read_timeout        60         retry budget of one etcd call, failover included
 timeout             900        default timeout of blocking Store get/wait (torchrun sets it)
 lease_ttl           5          seconds a dead node keeps its key (whole number, 1-600)
-retention           7200       seconds etcd keeps the state of a run an agent closed
-                               (finished or failed) before removing it; 0: until gc
+retention           7200       seconds etcd keeps a run's keys (state, store, events)
+                               after its last agent left, closed or not (at least
+                               2 x lease_ttl); 0: until rdzvctl gc
 events_limit        5000       events kept in the run's timeline (10-1000000); the
                                oldest beyond it are deleted
 key_prefix          /etcd-elastic   etcd folder holding every run
@@ -50,6 +51,7 @@ from typing import Any, Literal, Protocol
 from coordinator.core.errors import ConfigError
 from coordinator.core.etcd_client import EtcdConfig
 from coordinator.core.keys import DEFAULT_KEY_PREFIX, RunKeys, validate_key_prefix, validate_run_id
+from coordinator.core.timeouts import Spans, nesting
 
 __all__ = [
     "IGNORED_CONF_KEYS",
@@ -317,6 +319,9 @@ class RendezvousSettings:
                 f"rdzv_conf lease_ttl={self.lease_ttl!r} must be between 1 and "
                 f"{_MAX_LEASE_TTL} seconds"
             )
+        for finding in nesting(self.spans()):
+            if finding.refuse:  # the risky ones are etcdrun's to warn about, once
+                raise ConfigError(f"rdzv_conf {finding.line}")
         if not (
             isinstance(self.retention, (int, float))
             and math.isfinite(self.retention)
@@ -433,6 +438,17 @@ class RendezvousSettings:
             user=user,
             password=password,
             password_file=password_file,
+        )
+
+    def spans(self) -> Spans:
+        """The timeouts these settings hold, for :func:`coordinator.core.timeouts.nesting`."""
+        return Spans(
+            join_timeout=self.join_timeout,
+            last_call_timeout=self.last_call_timeout,
+            store_timeout=self.store_timeout,
+            lease_ttl=self.lease_ttl,
+            min_nodes=self.min_nodes,
+            max_nodes=self.max_nodes,
         )
 
     @property

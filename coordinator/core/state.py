@@ -29,6 +29,7 @@ from coordinator.core.errors import CorruptValueError
 from coordinator.generated import rendezvous_pb2 as pb
 
 __all__ = [
+    "CLOSE_MODE_CODES",
     "MAX_ROUND",
     "SCHEMA_VERSION",
     "CloseMode",
@@ -36,6 +37,7 @@ __all__ = [
     "NodeInfo",
     "Quarantine",
     "RdzvState",
+    "close_mode_of",
     "decode_node",
     "decode_state",
     "encode_node",
@@ -57,18 +59,19 @@ CloseMode = Literal["unspecified", "finished", "failed", "drain"]
 others stop and exit non-zero), ``drain`` (an operator ended it: agents finish their
 current attempt, then exit 0)."""
 
-_CLOSE_MODES: dict[str, int] = {
+CLOSE_MODE_CODES: dict[CloseMode, int] = {
     "unspecified": pb.CLOSE_MODE_UNSPECIFIED,
     "finished": pb.CLOSE_MODE_FINISHED,
     "failed": pb.CLOSE_MODE_FAILED,
     "drain": pb.CLOSE_MODE_DRAIN,
 }
-_CLOSE_MODE_NAMES: dict[int, CloseMode] = {
-    pb.CLOSE_MODE_UNSPECIFIED: "unspecified",
-    pb.CLOSE_MODE_FINISHED: "finished",
-    pb.CLOSE_MODE_FAILED: "failed",
-    pb.CLOSE_MODE_DRAIN: "drain",
-}
+"""Each close mode's protobuf enum value: the one table, for the state and the events."""
+_CLOSE_MODE_NAMES: dict[int, CloseMode] = {code: mode for mode, code in CLOSE_MODE_CODES.items()}
+
+
+def close_mode_of(code: int) -> CloseMode:
+    """The close mode of a protobuf enum value (an unknown, newer value: unspecified)."""
+    return _CLOSE_MODE_NAMES.get(code, "unspecified")
 
 
 @dataclass(frozen=True)
@@ -254,7 +257,7 @@ def encode_state(state: RdzvState) -> bytes:
         written_by=state.written_by,
         master_addr=state.master_addr,
         master_port=state.master_port,
-        close_mode=_CLOSE_MODES[state.close_mode],  # type: ignore[arg-type]
+        close_mode=CLOSE_MODE_CODES[state.close_mode],  # type: ignore[arg-type]
         closed_at_unix_ms=state.closed_at_unix_ms,
         incarnation=state.incarnation,
         draining=list(state.draining),
@@ -316,7 +319,7 @@ def _decode_state_cached(key: str, raw: bytes) -> RdzvState:
         master_port=msg.master_port,
         completed_at_unix_ms=msg.completed_at_unix_ms,
         written_by=msg.written_by,
-        close_mode=_CLOSE_MODE_NAMES.get(msg.close_mode, "unspecified"),
+        close_mode=close_mode_of(msg.close_mode),
         closed_at_unix_ms=msg.closed_at_unix_ms,
         incarnation=_incarnation(key, msg.incarnation),
         draining=tuple(msg.draining),

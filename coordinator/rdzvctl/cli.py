@@ -113,6 +113,7 @@ class Options:
     dry_run: bool = False
     follow: bool = False
     output: str | None = None
+    incarnation: int | None = None
 
 
 def _reword(exc: ConfigError, old: str, new: str) -> str:
@@ -268,6 +269,9 @@ def _check(ns: argparse.Namespace, environ: Mapping[str, str]) -> Options:
             older_than = parse_duration(values["older_than"])
         except ValueError as exc:
             raise UsageError("--older-than", str(exc)) from None
+    incarnation = values.get("incarnation")
+    if incarnation is not None and not re.fullmatch(r"\s*[1-9]\d{0,9}\s*", incarnation):
+        raise UsageError("--incarnation", f"{incarnation!r} is not a whole number above 0")
     reason = values.get("reason")
     if reason is not None and not reason.strip():
         raise UsageError("--reason", "is empty: say why the run ends, or leave it out")
@@ -285,6 +289,7 @@ def _check(ns: argparse.Namespace, environ: Mapping[str, str]) -> Options:
         dry_run=bool(values.get("dry_run", False)),
         follow=bool(values.get("follow", False)),
         output=_output(values["output"]) if values.get("output") is not None else None,
+        incarnation=int(incarnation) if incarnation is not None else None,
     )
 
 

@@ -2,8 +2,8 @@
 
 Loaded only once the command line has been checked (:func:`coordinator.rdzvctl.main.run_command`):
 this is where grpc and the etcd client come in. Within it, each command imports what
-only it needs (gc's writer, the watch loop, the run's timeline and its event types), so
-``status`` and ``list`` load none of them.
+only it needs (gc's writer, the watch loop, the run's history), so ``status`` and
+``list`` load none of them.
 """
 
 from __future__ import annotations
@@ -135,9 +135,11 @@ def _list(client: EtcdClient, opts: Options, out: _Out) -> int:
 
 def _close(client: EtcdClient, opts: Options, out: _Out) -> int:
     from coordinator.core.executor import StateExecutor
+    from coordinator.core.run_lease import bind_existing_run_lease
 
     keys = _run_keys(opts)
     _require_run(client, keys)
+    bind_existing_run_lease(client, keys)
     reason = opts.reason or f"closed by an operator with rdzvctl on {socket.gethostname()}"
     outcome = StateExecutor(client, keys, written_by=_operator()).close(
         reason,
@@ -165,6 +167,7 @@ def _drain(client: EtcdClient, opts: Options, out: _Out) -> int:
     from coordinator.core.event_log import record_event
     from coordinator.core.events import Event
     from coordinator.core.executor import StateExecutor
+    from coordinator.core.run_lease import bind_existing_run_lease
     from coordinator.core.transitions import drain
 
     keys = _run_keys(opts)
@@ -175,12 +178,13 @@ def _drain(client: EtcdClient, opts: Options, out: _Out) -> int:
             f"node {node} is not alive in run {keys.run_id} (no key {keys.node(node).decode()}); "
             f"see {PROG} status {keys.run_id}"
         )
+    bind_existing_run_lease(client, keys)
     executor = StateExecutor(client, keys, written_by=_operator())
 
-    def asked(revision: int) -> None:
+    def asked(revision: int, incarnation: int) -> None:
         # The run's timeline: who asked, at the drain's revision (the node may be gone,
         # and its "drained" departure written, before this write lands).
-        event = Event("drain_requested", node_id=node, revision=revision)
+        event = Event("drain_requested", node_id=node, revision=revision, incarnation=incarnation)
         record_event(client, keys, event, written_by=_operator())
 
     for _ in range(_DRAIN_TRIES):
@@ -192,7 +196,7 @@ def _drain(client: EtcdClient, opts: Options, out: _Out) -> int:
         if done is not None and not done.succeeded:
             continue
         if done is not None:
-            asked(done.revision)
+            asked(done.revision, done.state.incarnation)
         if opts.json:
             out.data({"run_id": keys.run_id, "node_id": node, "changed": bool(actions)})
         elif not actions:
@@ -207,23 +211,39 @@ def _drain(client: EtcdClient, opts: Options, out: _Out) -> int:
     raise _Failed(f"could not drain {node}: the state of run {keys.run_id} kept changing")
 
 
-def _no_events(keys: RunKeys) -> _Failed:
-    return _Failed(
-        f"run {keys.run_id!r} has no events: nothing under {keys.events_prefix.decode()} "
-        "(agents older than the run timeline record none)"
-    )
+def _one_incarnation(keys: RunKeys, opts: Options, out: _Out, events: list[Event]) -> list[Event]:
+    """The events of the incarnation asked for (default: the newest); stderr says when
+    another incarnation's were left out."""
+    from coordinator.rdzvctl.history import pick_incarnation
+
+    try:
+        picked, note = pick_incarnation(keys.run_id, events, opts.incarnation)
+    except ValueError as exc:
+        raise _Failed(str(exc)) from None
+    if note is not None:
+        out.err.write(f"{PROG}: {note}\n")
+    return picked
+
+
+def _stored_events(client: EtcdClient, keys: RunKeys, opts: Options, out: _Out) -> list[Event]:
+    """The run's events (of one incarnation, see above); each unreadable one is a warning."""
+    from coordinator.rdzvctl.history import read_history
+
+    history = read_history(client, keys)
+    for error in history.errors:
+        out.warn(f"skipped: {error}")
+    if not history.events:
+        raise _Failed(
+            f"run {keys.run_id!r} has no events: nothing under {keys.events_prefix.decode()} "
+            "(agents older than the run timeline record none)"
+        )
+    return _one_incarnation(keys, opts, out, history.events)
 
 
 def _events(client: EtcdClient, opts: Options, out: _Out) -> int:
     import queue
 
-    from coordinator.rdzvctl.history import (
-        Stop,
-        event_json,
-        event_line,
-        follow_history,
-        read_history,
-    )
+    from coordinator.rdzvctl.history import Stop, event_json, event_line, follow_history
 
     keys = _run_keys(opts)
     _require_run(client, keys)
@@ -237,12 +257,7 @@ def _events(client: EtcdClient, opts: Options, out: _Out) -> int:
         out.warn(f"skipped: {exc}")
 
     if not opts.follow:
-        history = read_history(client, keys)
-        for error in history.errors:
-            on_error(error)
-        if not history.events:
-            raise _no_events(keys)
-        for event in history.events:
+        for event in _stored_events(client, keys, opts, out):
             emit(event)
         return EXIT_OK
     inbox: queue.Queue[Any] = queue.Queue()
@@ -252,7 +267,9 @@ def _events(client: EtcdClient, opts: Options, out: _Out) -> int:
         # As watch: Ctrl-C only queues a stop; the loop ends at its next wake-up.
         previous = signal.signal(signal.SIGINT, lambda _sig, _frame: inbox.put(Stop()))
     try:
-        follow_history(client, keys, emit, on_error, inbox)
+        follow_history(
+            client, keys, emit, on_error, inbox, lambda got: _one_incarnation(keys, opts, out, got)
+        )
     finally:
         if installed:
             signal.signal(signal.SIGINT, previous)
@@ -260,18 +277,13 @@ def _events(client: EtcdClient, opts: Options, out: _Out) -> int:
 
 
 def _timeline(client: EtcdClient, opts: Options, out: _Out) -> int:
-    from coordinator.rdzvctl.history import read_history
     from coordinator.rdzvctl.timeline import draw, prepare
 
     keys = _run_keys(opts)
     _require_run(client, keys)
-    history = read_history(client, keys)
-    for error in history.errors:
-        out.warn(f"skipped: {error}")
-    if not history.events:
-        raise _no_events(keys)
+    events = _stored_events(client, keys, opts, out)
     try:
-        data = prepare(keys.run_id, history.events)
+        data = prepare(keys.run_id, events)
     except ValueError as exc:
         raise _Failed(str(exc)) from None
     path = opts.output or ""
@@ -286,7 +298,7 @@ def _timeline(client: EtcdClient, opts: Options, out: _Out) -> int:
         raise _Failed(f"could not write {path}: {exc.strerror or exc}") from None
     out.lines(
         [f"wrote {path}: {len(data.nodes)} node(s), {len(data.bands)} round(s), "
-         f"{len(data.marks)} mark(s) from {len(history.events)} event(s)"]
+         f"{len(data.marks)} mark(s) from {len(events)} event(s)"]
     )  # fmt: skip
     return EXIT_OK
 

@@ -4,13 +4,17 @@ The formatting is pure (:func:`event_line`, :func:`event_json`); :func:`read_his
 and :func:`follow_history` read etcd. Order: by the etcd revision of each fact (see
 :mod:`coordinator.core.events`), so the lines of one run read in the order things
 happened in etcd, whoever wrote them.
+
+A run started again with the same id while the ended run's events are still kept (within
+its retention) has the events of several incarnations; :func:`pick_incarnation` chooses
+those of one (the newest, unless asked), so the new run's timeline reads clean.
 """
 
 from __future__ import annotations
 
 import datetime
 import queue
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +29,7 @@ __all__ = [
     "event_json",
     "event_line",
     "follow_history",
+    "pick_incarnation",
     "read_history",
 ]
 
@@ -113,6 +118,41 @@ def read_history(client: EtcdClient, keys: RunKeys) -> History:
     return History(events, errors, revision)
 
 
+def pick_incarnation(
+    run_id: str, events: Sequence[Event], wanted: int | None = None
+) -> tuple[list[Event], str | None]:
+    """The events of incarnation ``wanted`` (None: the newest) among ``events`` (in
+    order), and a line saying which were left out (None: none).
+
+    An event that names no incarnation (0: its writer did not know it) belongs to the one
+    of the event before it (the first ones: to the first incarnation named).
+
+    Raises:
+        ValueError: ``events`` has none of incarnation ``wanted`` (names those it has).
+    """
+    current = next((e.incarnation for e in events if e.incarnation), 0)
+    numbered: list[tuple[int, Event]] = []
+    for event in events:
+        current = event.incarnation or current
+        numbered.append((current, event))
+    number = max((n for n, _ in numbered), default=0) if wanted is None else wanted
+    picked = [e for n, e in numbered if n == number]
+    others = sorted({n for n, _ in numbered if n != number})
+    if events and not picked:
+        raise ValueError(
+            f"run {run_id!r} has no events of incarnation {number}: it has events of "
+            f"incarnation(s) {', '.join(map(str, others))}"
+        )
+    if not others:
+        return picked, None
+    return picked, (
+        f"run {run_id} was started again with the same id: these are the events of "
+        f"incarnation {number}; {len(events) - len(picked)} event(s) of incarnation(s) "
+        f"{', '.join(map(str, others))} are kept until the run's retention passes "
+        "(--incarnation N shows them)"
+    )
+
+
 class Stop:
     """Put in a follow's inbox (e.g. by a SIGINT handler) to end it."""
 
@@ -123,13 +163,14 @@ def follow_history(
     emit: Callable[[Event], None],
     on_error: Callable[[CorruptValueError], None],
     inbox: queue.Queue[list[WatchEvent] | Exception | Stop],
+    select: Callable[[list[Event]], list[Event]] = lambda events: events,
 ) -> int:
     """Emit every event of the run in order, then each new one as it is written, until a
     :class:`Stop` arrives in ``inbox``. Returns how many were emitted.
 
     The watch starts before the read (``watch_then_read``), and events the read already
     has are dropped by revision, so none is missed or shown twice. New events are shown
-    as they arrive.
+    as they arrive. ``select`` picks which of the stored events are shown.
 
     Raises:
         EtcdElasticError: the watch ended (etcd cancelled it, or its history was
@@ -155,9 +196,10 @@ def follow_history(
     try:
         for error in history.errors:
             on_error(error)
-        for event in history.events:
+        stored = select(history.events)
+        for event in stored:
             emit(event)
-        shown = len(history.events)
+        shown = len(stored)
         while True:
             item = inbox.get()
             if isinstance(item, Stop):

@@ -5,7 +5,9 @@ removes them through the state's one writer,
 :class:`~coordinator.core.executor.StateExecutor` (which ``rdzvctl close`` uses too).
 
 Safety rule of gc: a run with any node key (a live lease) is never touched, and node keys
-are never deleted by gc at all: they go only when their lease ends.
+are never deleted by gc at all: they go only when their lease ends. The run's own lease
+(``coordinator.core.run_lease``), which would remove the rest after the retention, is
+revoked once the run's keys are gone.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from coordinator.core.etcd_client import EtcdClient
 from coordinator.core.executor import StateExecutor
 from coordinator.core.keys import RunKeys
+from coordinator.core.run_lease import bind_existing_run_lease
 from coordinator.core.transitions import close
 from coordinator.rdzvctl.model import RunSnapshot
 
@@ -111,8 +114,9 @@ def collect_run(client: EtcdClient, snapshot: RunSnapshot, *, written_by: str) -
     existing reason) and delete the store and the run's events; from then on a node that
     arrives finds the run closed instead of forming a round whose keys are being deleted;
     (2) if a node key appeared meanwhile, stop (the run stays closed); (3) delete the state
-    key guarded by the revision written in (1). Node keys are never deleted: they belong
-    to live leases.
+    key guarded by the revision written in (1), and revoke the run's lease (what would
+    have removed the run after its retention: nothing is left on it). Node keys are never
+    deleted: they belong to live leases.
 
     Raises:
         CorruptValueError: the state changed to a value we cannot read.
@@ -120,6 +124,8 @@ def collect_run(client: EtcdClient, snapshot: RunSnapshot, *, written_by: str) -
     """
     keys: RunKeys = snapshot.keys
     state = snapshot.effective_state
+    # A run that comes back to life meanwhile keeps its closed state on its lease.
+    run_lease = bind_existing_run_lease(client, keys)
     executor = StateExecutor(client, keys, written_by=written_by)
     first = executor.commit(
         (state, snapshot.state_mod_revision),
@@ -137,6 +143,8 @@ def collect_run(client: EtcdClient, snapshot: RunSnapshot, *, written_by: str) -
         )
     if not executor.remove(first.revision):
         return GcResult(snapshot.run_id, False, "stopped: its state changed during removal")
+    if run_lease:
+        client.lease_revoke(run_lease)
     left = f"; {len(snapshot.foreign_keys)} foreign key(s) left" if snapshot.foreign_keys else ""
     removed = snapshot.store_keys + snapshot.event_keys + 1
     return GcResult(snapshot.run_id, True, f"removed {removed} key(s){left}")

@@ -59,7 +59,8 @@ commands:
   watch RUN         one line per change, as it happens, until Ctrl-C (or --count/--timeout)
   events RUN        the run's timeline in order: joins, departures with their cause,
                     rounds with ranks, restarts with their root cause, closes;
-                    --follow prints new ones until Ctrl-C; --json one object per line
+                    --follow prints new ones until Ctrl-C; --json one object per line;
+                    of the newest incarnation (--incarnation N: that one)
   timeline RUN -o F draw that timeline (F: .png, .svg or .pdf): nodes against time,
                     rounds as bands, faults marked (needs matplotlib)
   list              every run under --key-prefix with its state
@@ -188,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     timeline.add_argument("run", metavar="RUN", help="the run id (--rdzv-id of the agents)")
     timeline.add_argument("-o", "--output", dest="output", metavar="FILE", required=True,
                           help="the picture to write: .png, .svg or .pdf")  # fmt: skip
+    for sub in (events, timeline):
+        sub.add_argument("--incarnation", metavar="N", default=None,
+                         help="that start of the run (default: the newest)")  # fmt: skip
     command("list", "list the runs under the key prefix with their state")
     close = command("close", "end a run: agents finish their current attempt and exit 0")
     close.add_argument("run", metavar="RUN", help="the run id (--rdzv-id of the agents)")

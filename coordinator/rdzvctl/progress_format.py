@@ -1,7 +1,12 @@
-"""How ``rdzvctl status`` shows training progress and the last hang (pure).
+"""How ``rdzvctl status`` and ``watch`` show the last hang and the stalled nodes (pure).
 
-Shown only when there is something to show (a progress record or a recorded hang), so a
-run without hang detection looks as it always did.
+A node writes its progress record only when it suspects a hang (its workers made no
+progress for most of its ``--hang-timeout``) and deletes it when they make progress again
+in that round; a record of an earlier round stays until the node's next suspicion or the
+end of its lease. So what etcd knows, and shows, is the stalled nodes, never the steps
+of healthy ones (those are in each agent's metrics, ``etcd_elastic_last_progress_step``).
+Shown only when there is something to show (a record or a recorded hang), so a run
+without hang detection looks as it always did.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from coordinator.core.progress import NodeProgress
 from coordinator.core.state import Hang
 from coordinator.rdzvctl.model import RunSnapshot
 
-__all__ = ["hang_json", "hang_text", "progress_json", "progress_lines"]
+__all__ = ["hang_json", "hang_text", "progress_json", "progress_lines", "suspicion_text"]
 
 
 def _seconds(ms: int) -> str:
@@ -29,34 +34,56 @@ def hang_text(hang: Hang) -> str:
     )
 
 
-def _row(record: NodeProgress, hung: set[str], now_ms: int) -> list[str]:
-    age = _seconds(now_ms - record.reported_at_unix_ms) if record.reported_at_unix_ms else "-"
-    state = "stopped first" if record.node_id in hung else ("stalled" if record.stalled else "")
+def suspicion_text(record: NodeProgress) -> str:
+    """One line: a node began to suspect a hang (``rdzvctl watch``)."""
+    return (
+        f"node {record.node_id} suspects a hang: no progress for {_seconds(record.age_ms)} at "
+        f"step {record.step} in round {record.round} (hang timeout "
+        f"{_seconds(record.hang_timeout_ms)})"
+    )
+
+
+def _row(record: NodeProgress, hang: Hang | None, round: int, now_ms: int) -> list[str]:
+    now = record.round == round
+    if hang is not None and record.round == hang.round and record.node_id in hang.nodes:
+        state = "stopped first"
+    elif not record.stalled:
+        state = "-"  # an agent of an earlier version wrote healthy nodes too
+    else:
+        state = "stalled" if now else "was stalled"
+    since = now_ms - record.reported_at_unix_ms
+    silent = _seconds(since) if now and record.reported_at_unix_ms else "-"
     timeout = _seconds(record.hang_timeout_ms) if record.hang_timeout_ms else "off"
     return [
-        record.node_id, str(record.round), str(record.step), age,
-        f"{record.workers_reporting}/{record.local_world_size}", timeout, state or "-",
+        record.node_id, str(record.round), str(record.step), silent,
+        f"{record.workers_reporting}/{record.local_world_size}", timeout, state,
     ]  # fmt: skip
 
 
 def progress_lines(snapshot: RunSnapshot, now_ms: int) -> list[str]:
-    """The ``hang:`` line and the progress table (nothing when there is neither).
+    """The ``last hang:`` line and the table of stalled nodes (nothing when neither).
 
-    AGE is the time since the node's step was reported, from the node's wall clock at
-    that report and this machine's now: informational (clocks of two machines differ);
-    the agents never compare clocks to decide.
+    SILENT is the time since the node's last report, from the node's wall clock at that
+    report and this machine's now: informational (clocks of two machines differ); the
+    agents never compare clocks to decide. It is shown for the current round only: a
+    record of an earlier round says how that round ended, not what the node does now.
     """
     from coordinator.rdzvctl.format import table  # format imports this module
 
-    hang = snapshot.state.hang if snapshot.state is not None else None
+    state = snapshot.state
+    hang = state.hang if state is not None else None
     lines = [f"last hang:       {hang_text(hang)}"] if hang is not None else []
     if not snapshot.progress:
         return lines
-    current = hang.round if hang is not None else -1
-    hung = {n for n in hang.nodes} if hang is not None else set()
-    rows = [_row(p, hung if p.round == current else set(), now_ms) for p in snapshot.progress]
-    lines.append(f"progress:        {len(rows)} node(s) reporting")
-    headers = ["NODE", "ROUND", "STEP", "AGE", "WORKERS", "HANG TIMEOUT", "STATE"]
+    round = state.round if state is not None else -1
+    rows = [_row(p, hang, round, now_ms) for p in snapshot.progress]
+    now = sum(1 for p in snapshot.progress if p.stalled and p.round == round)
+    earlier = sum(1 for p in snapshot.progress if p.round != round)
+    lines.append(
+        f"stalled nodes:   {now} in round {round}, {earlier} in earlier rounds (nodes that "
+        "make progress write nothing)"
+    )
+    headers = ["NODE", "ROUND", "STEP", "SILENT", "WORKERS", "HANG TIMEOUT", "STATE"]
     lines.extend(table(headers, rows))
     return lines
 

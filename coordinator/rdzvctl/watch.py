@@ -7,8 +7,9 @@ turns each etcd event into :class:`Change` values (``node vm-1-0 joined (asks fo
 no change is missed, and none waits for etcd's catch-up of a watch that starts in the
 past), and hands every change to a callback until asked to stop. The
 run's torch Store keys are ignored: they change on every rank exchange and mean nothing
-to an operator; so are the progress keys (about one write a second per training node;
-``status`` shows them, and a hang shows here as a change of the state).
+to an operator. A progress key is written only when its node suspects a hang and deleted
+when the node makes progress again, so each is a line here (``node x suspects a hang:
+...``); a declared hang shows as a change of the state.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from typing import TYPE_CHECKING
 
 from coordinator.core.errors import CorruptValueError
 from coordinator.core.keys import RunKeys
+from coordinator.core.progress import decode_progress
 from coordinator.core.state import NodeInfo, RdzvState, decode_state
 from coordinator.rdzvctl.model import RunSnapshot, decode_nodes, read_run
-from coordinator.rdzvctl.progress_format import hang_text
+from coordinator.rdzvctl.progress_format import hang_text, suspicion_text
 
 if TYPE_CHECKING:
     from coordinator.core.etcd_client import EtcdClient, Watch, WatchEvent
@@ -40,7 +42,9 @@ class Change:
         kind: node_joined, node_asks, node_rewrote, node_left, round_complete, waiting,
             not_waiting, redundant, not_redundant, lost, closed, state_rewritten,
             state_deleted, foreign_key, corrupt, resync, incarnation (started again),
-            draining, hang (a hang was declared: ``nodes`` stopped first).
+            draining, hang (a hang was declared: ``nodes`` stopped first), suspects (a
+            node's workers made no progress for most of its hang timeout), unsuspects
+            (its record went: progress again, or the node left).
         text: the human line (without the time).
         node_id, round, nodes, reason: the facts the text is made of, for ``--json``.
     """
@@ -178,12 +182,33 @@ class Tracker:
             if revision <= self._nodes_guard:
                 return []
             return self._node_event(event, revision, shown)
-        if key.startswith((keys.store_root, keys.progress_prefix, keys.events_prefix)):
-            # The Store's keys; progress (about once a second per node: status shows it);
-            # the timeline (rdzvctl events --follow).
+        if key.startswith(keys.progress_prefix):
+            # Read after the node keys: what that read held is not news either.
+            if revision <= self._nodes_guard:
+                return []
+            return self._progress_event(event, revision, shown)
+        if key.startswith((keys.store_root, keys.events_prefix)):
+            # The Store's keys; the timeline (rdzvctl events --follow).
             return []
         text = f"key {shown} {'deleted' if event.kind == 'delete' else 'written'} (not ours)"
         return [Change(revision, "foreign_key", text)]
+
+    def _progress_event(self, event: WatchEvent, revision: int, shown: str) -> list[Change]:
+        try:
+            node_id = self._keys.node_id_from_progress_key(event.kv.key)
+        except CorruptValueError:
+            return []
+        if event.kind == "delete":
+            text = f"node {node_id} no longer suspects a hang (progress again, or it left)"
+            return [Change(revision, "unsuspects", text, node_id=node_id)]
+        try:
+            record = decode_progress(shown, event.kv.value)
+        except CorruptValueError as exc:
+            return [Change(revision, "corrupt", str(exc))]
+        if not record.stalled:
+            return []  # an agent of an earlier version writes healthy nodes too
+        text = suspicion_text(record)
+        return [Change(revision, "suspects", text, node_id=node_id, round=record.round)]
 
     def _node_event(self, event: WatchEvent, revision: int, shown: str) -> list[Change]:
         if event.kind == "delete":

@@ -46,6 +46,7 @@ from coordinator.core.errors import (
     EtcdConnectionError,
     EtcdElasticError,
     EtcdTLSError,
+    LeaseLostError,
     NodeLeftError,
 )
 from coordinator.core.etcd_client import EtcdClient, EtcdObserver, backoff_delay
@@ -59,6 +60,7 @@ from coordinator.core.listeners import Listeners
 from coordinator.core.participation import Participation
 from coordinator.core.ports import free_port
 from coordinator.core.quarantine import quarantined_ids
+from coordinator.core.run_lease import RunLease
 from coordinator.core.settings import RendezvousSettings
 from coordinator.core.state import CloseMode, Hang, NodeInfo, Quarantine, RdzvState
 from coordinator.core.threads import ThreadDied
@@ -132,6 +134,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._rejoin: str | None = None
         self._unlisten: Callable[[], None] | None = None
         self._events: EventLog | None = None
+        # Every key of the run that no node owns hangs on the run's lease (run_lease.py).
+        self._run_lease = RunLease(self._keys, settings.retention, settings.lease_ttl)
         self._started_ms = int(time.time() * 1000)
         self.last_round = -1
         """The round of this node's last completed rendezvous (-1: none yet)."""
@@ -170,6 +174,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             events=self._event_log(),
         )  # fmt: skip
         try:
+            self._run_lease.start(self._etcd(), self._on_run_lease_lost)
             parts.view.start()
         except BaseException:
             parts.close()  # its duty never started and it holds no lease: nothing leaks
@@ -272,6 +277,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._notify()
 
         threading.Thread(target=teardown, name="rdzv-rejoin", daemon=True).start()
+
+    def _on_run_lease_lost(self, error: LeaseLostError) -> None:
+        # The run's keys are gone with its lease: leave and join again from scratch.
+        self._on_thread_death(ThreadDied(f"etcd-keepalive-{self._run_lease.id:x}", error))
 
     def _write_node(self, parts: Participation, wanted_round: int) -> None:
         """Write this node's key asking for ``wanted_round``, with a live lease."""
@@ -434,9 +443,6 @@ class EtcdRendezvousHandler(RendezvousHandler):
             known=view.snapshot(),
             on_conflict=view.offer,
             clock=self._clock,
-            # The run ended: its state goes by itself after the retention (a drain is an
-            # operator's, who keeps rdzvctl gc).
-            retention=self._settings.retention if mode in ("finished", "failed") else 0,
             incarnation=self.incarnation,
         )
         if outcome.changed:
@@ -457,6 +463,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
             return False
         view.offer_written(commit.state, commit.revision)
         return True
+
+    can_quarantine = True
+    """Ours keeps quarantined nodes out of the rounds (:meth:`quarantine`)."""
 
     @property
     def drain_requested(self) -> bool:
@@ -551,6 +560,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if parts is not None:
             self._say_departing(parts)
             parts.close()
+        self._run_lease.stop()
         if self._unlisten is not None:
             self._unlisten()
         if self._own_client and self._client is not None:

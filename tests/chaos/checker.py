@@ -1,7 +1,7 @@
 """Named invariants over a chaos run's history: what must hold whatever the faults did.
 
 Pure: :func:`check` takes the events of one history file (agents', workers' and the
-harness's; see ``agent/history.py``, ``tests/chaos/worker.py``, ``tests/chaos/events.py``)
+harness's; see ``agent/observe/journal.py``, ``tests/chaos/worker.py``, ``tests/chaos/events.py``)
 and returns every :class:`Violation`, each naming its invariant and the event (its index
 in the history and its JSON line). Times are ``mono`` values (one clock per machine).
 
@@ -96,7 +96,7 @@ def _history_complete(h: History, cfg: CheckConfig) -> Iterator[Violation]:
             name,
             missing[0],
             f"{len(missing)} workers started in rounds their agent never reported: the agent "
-            "writes no `round` events to ETCD_ELASTIC_HISTORY",
+            "writes no `round` events to ETCD_ELASTIC_JOURNAL",
         )
 
 
@@ -168,7 +168,7 @@ def check(
     """Every violation of the invariants named in ``only`` (default: all), in order.
 
     Args:
-        events: the history, as :func:`agent.history.read_history` returns it.
+        events: the history, as :func:`agent.observe.journal.read_journal` returns it.
         config: the bounds; default: from the history's ``run_start`` (without one,
             ``history_complete`` fails and the node bounds are not checked).
 

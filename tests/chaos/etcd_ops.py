@@ -14,7 +14,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from agent.history import HistoryWriter
+from agent.observe.journal import JournalWriter
 from coordinator.etcd_server import EtcdCluster, find_etcd_binary, wheel_etcd_binary
 from tests.chaos.round_watch import RoundWatch
 
@@ -56,7 +56,7 @@ class EtcdOps:
     """Faults on one :class:`EtcdCluster` (three members on loopback)."""
 
     def __init__(
-        self, cluster: EtcdCluster, history: HistoryWriter, restart_timeout: float = 30.0
+        self, cluster: EtcdCluster, history: JournalWriter, restart_timeout: float = 30.0
     ) -> None:
         self.cluster = cluster
         self._history = history

@@ -1,6 +1,6 @@
 """Names of the history events the chaos checker reads, and the harness's own events.
 
-Agent events are documented in ``agent/history.py``, worker events in
+Agent events are documented in ``agent/observe/journal.py``, worker events in
 ``tests/chaos/worker.py``. The harness (``src="harness"``) records:
 
 ``run_start`` {run, seed, faults, agents, nproc, min_nodes, max_nodes, lease_ttl,

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from agent.history import HistoryWriter
+from agent.observe.journal import JournalWriter
 from tests.chaos.etcd_ops import EtcdOps, HarnessError
 from tests.chaos.fleet import Fleet, Slot
 from tests.chaos.proxy import Mode
@@ -65,7 +65,7 @@ class FaultRunner:
         fleet: Fleet,
         etcd: EtcdOps,
         tail: HistoryTail,
-        history: HistoryWriter,
+        history: JournalWriter,
         timing: Timing,
         *,
         agents: int,

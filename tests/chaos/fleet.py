@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent.history import HistoryWriter
+from agent.observe.journal import JournalWriter
 from coordinator.etcd_server import EtcdCluster
 from tests.chaos.etcd_ops import HarnessError
 from tests.chaos.proxy import Mode, TcpFaultProxy
@@ -101,7 +101,7 @@ class Fleet:
 
     config: FleetConfig
     cluster: EtcdCluster
-    history: HistoryWriter
+    history: JournalWriter
     tail: HistoryTail
     slots: list[Slot] = field(default_factory=list)
     _gone: list[_Gone] = field(default_factory=list)

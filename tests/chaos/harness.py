@@ -3,7 +3,7 @@
 ``python -m tests.chaos.harness --seed S --faults N [--agents K] [--out DIR]`` (or
 ``scripts/chaos``) starts a 3-member etcd on loopback, one set of fault proxies and one
 ``etcdrun`` per agent slot (``--nproc-per-node=2``, ``tests/chaos/worker.py``), with
-``ETCD_ELASTIC_HISTORY`` pointing every agent and worker at one history file; waits for
+``ETCD_ELASTIC_JOURNAL`` pointing every agent and worker at one history file; waits for
 the job to train; runs the planned faults one by one (each bounded, see
 ``tests/chaos/faults.py``); then stops and reaps everything (also on an error or Ctrl-C)
 and checks the history (``tests/chaos/checker.py``). It prints faults and recovery per
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from agent.history import HISTORY_ENV, HistoryWriter, read_history
+from agent.observe.journal import JOURNAL_ENV, JournalWriter, read_journal
 from coordinator.etcd_server import EtcdCluster
 from tests.chaos.checker import Violation, check, format_violations
 from tests.chaos.etcd_log import EtcdLog, fenced_commits, read_etcd_log
@@ -111,7 +111,7 @@ def run_chaos(cfg: ChaosConfig) -> ChaosResult:
     faults = plan(cfg.seed, cfg.faults, cfg.kinds, n_agents=cfg.agents, lease_ttl=cfg.lease_ttl)
     (out / "plan.json").write_text(json.dumps([f.to_json() for f in faults], indent=1))
     run_id = f"chaos-{cfg.seed}-{uuid.uuid4().hex[:8]}"
-    history = HistoryWriter(str(history_path), "harness")
+    history = JournalWriter(str(history_path), "harness")
     tail = HistoryTail(history_path)
     cluster = EtcdCluster(
         3, binary=chaos_etcd_binary(), base_dir=out / "etcd", no_fsync=True, stop_grace=1.0
@@ -126,7 +126,7 @@ def run_chaos(cfg: ChaosConfig) -> ChaosResult:
             lease_ttl=cfg.lease_ttl,
             out_dir=out,
             env={
-                HISTORY_ENV: str(history_path),
+                JOURNAL_ENV: str(history_path),
                 "CHAOS_STEP_SECONDS": str(cfg.step_s),
                 "CHAOS_CHECKPOINT_DIR": str(out / "checkpoint"),
                 # Should the harness die, the workers stop by themselves well after the
@@ -209,7 +209,7 @@ def run_chaos(cfg: ChaosConfig) -> ChaosResult:
                 fleet.reaper.reap()
             history.record("run_end", planned=len(faults), executed=executed, aborted=aborted)
             history.close()
-    events = read_history(history_path)
+    events = read_journal(history_path)
     result = ChaosResult(
         violations=[
             *check(events),

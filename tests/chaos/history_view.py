@@ -1,6 +1,6 @@
 """An indexed, time-ordered view of a run's history, shared by the checker and the report.
 
-Pure: built from the list of events :func:`agent.history.read_history` returns, it keeps
+Pure: built from the list of events :func:`agent.observe.journal.read_journal` returns, it keeps
 each event's index in that list (the checker names events by it) and orders events by
 ``mono`` (CLOCK_MONOTONIC, one clock for every process of the machine; ties keep file
 order).

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agent.history import HistoryWriter
+from agent.observe.journal import JournalWriter
 from tests.chaos.fleet import Fleet
 
 __all__ = ["OPENINGS", "coordinator_freeze"]
@@ -48,7 +48,7 @@ def _node_keys(etcdctl: Path, endpoints: str, nodes_prefix: str) -> list[dict[st
 
 def coordinator_freeze(
     fleet: Fleet,
-    history: HistoryWriter,
+    history: JournalWriter,
     etcdctl: Path,
     run_prefix: str,
     lease_ttl: float,

@@ -2,7 +2,7 @@
 
 The harness decides when the job is steady again, which worker to kill and when the
 nodes start re-forming from what agents and workers wrote; it reads only whole lines
-(a line is one append, see ``agent/history.py``), keeping a partial last line for the
+(a line is one append, see ``agent/observe/journal.py``), keeping a partial last line for the
 next read.
 """
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.history import HistoryWriter, read_history
+from agent.observe.journal import JournalWriter, read_journal
 from coordinator.etcd_server import EtcdCluster
 from tests.chaos.etcd_ops import EtcdOps, chaos_etcd_binary, etcdctl_binary
 from tests.chaos.round_watch import state_round
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.integration]
 
 @pytest.fixture
 def ops(tmp_path: Path) -> Iterator[EtcdOps]:
-    history = HistoryWriter(str(tmp_path / "h.jsonl"), "harness")
+    history = JournalWriter(str(tmp_path / "h.jsonl"), "harness")
     cluster = EtcdCluster(3, binary=chaos_etcd_binary(), no_fsync=True, stop_grace=1.0)
     with cluster, history:
         yield EtcdOps(cluster, history)
@@ -35,7 +35,7 @@ def test_leader_kill_and_restart(ops: EtcdOps, tmp_path: Path) -> None:
     ops.restart(leader)
     assert ops.cluster.members[leader].healthy()
     assert ops.leader() is not None
-    events = [(e["event"], e["member"]) for e in read_history(tmp_path / "h.jsonl")]
+    events = [(e["event"], e["member"]) for e in read_journal(tmp_path / "h.jsonl")]
     assert events == [("etcd_killed", leader), ("etcd_started", leader)]
 
 
@@ -58,7 +58,7 @@ def test_a_frozen_leader_is_replaced_and_comes_back_as_a_member(
     while not ops.cluster.members[leader].healthy(timeout=1.0):
         assert time.monotonic() < deadline, "the thawed member is not healthy after 20 s"
         time.sleep(0.1)
-    events = [(e["event"], e["member"]) for e in read_history(tmp_path / "h.jsonl")]
+    events = [(e["event"], e["member"]) for e in read_journal(tmp_path / "h.jsonl")]
     assert events == [("etcd_frozen", leader), ("etcd_thawed", leader)]
 
 
@@ -72,7 +72,7 @@ def test_whole_cluster_down_and_back_from_its_data(ops: EtcdOps) -> None:
 def test_compaction_and_defragmentation_twice(ops: EtcdOps, tmp_path: Path) -> None:
     ops.compact_defrag()
     ops.compact_defrag()  # nothing written since: the second compaction is not an error
-    names = [e["event"] for e in read_history(tmp_path / "h.jsonl")]
+    names = [e["event"] for e in read_journal(tmp_path / "h.jsonl")]
     assert names.count("compacted") == 2 and names.count("defragmented") == 6
 
 

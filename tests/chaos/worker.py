@@ -8,7 +8,7 @@ exactly once, at its own index and at the same step, else the worker records a
 ``violation`` and exits 1. It may be killed at any moment: history lines are single
 appends and the checkpoint is replaced atomically.
 
-History events (``src="worker"``; see ``agent/history.py`` for the common keys):
+History events (``src="worker"``; see ``agent/observe/journal.py`` for the common keys):
 
 ``worker_start`` {node, round, rank, local_rank, world, group_rank, group_world,
 agent_pid, restart_count, master}
@@ -28,7 +28,7 @@ agent_pid, restart_count, master}
 ``worker_deadline`` {node, round, rank}
     ``CHAOS_DEADLINE_MONO`` passed (the harness is gone): the worker exits 0.
 
-Environment: the agent's ``ETCD_ELASTIC_HISTORY``, ``ETCD_ELASTIC_ROUND`` and
+Environment: the agent's ``ETCD_ELASTIC_JOURNAL``, ``ETCD_ELASTIC_ROUND`` and
 ``ETCD_ELASTIC_NODE_ID`` (a missing round is recorded as -1, which the checker treats as
 an incomplete history), and the harness's ``CHAOS_STEP_SECONDS`` (0.2),
 ``CHAOS_CHECKPOINT_DIR`` (none: no checkpoints), ``CHAOS_CHECKPOINT_EVERY`` (10 steps),
@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from agent.history import NODE_ENV, ROUND_ENV, HistoryWriter
+from agent.observe.journal import NODE_ENV, ROUND_ENV, JournalWriter
 
 __all__ = ["CHECKPOINT", "WorkerConfig", "check_gathered", "main"]
 
@@ -142,7 +142,7 @@ def _start_step(cfg: WorkerConfig) -> int:
     return int(value.item())
 
 
-def _train(cfg: WorkerConfig, history: HistoryWriter) -> None:
+def _train(cfg: WorkerConfig, history: JournalWriter) -> None:
     ids = {"node": cfg.node, "round": cfg.round, "rank": cfg.rank}
     step = _start_step(cfg)
     history.record("worker_ready", world=cfg.world, start_step=step, **ids)
@@ -192,7 +192,7 @@ def _train(cfg: WorkerConfig, history: HistoryWriter) -> None:
 def main() -> int:
     """Run one worker until killed (or its deadline); returns the exit code."""
     cfg = WorkerConfig.from_env(os.environ)
-    history = HistoryWriter.from_env("worker")
+    history = JournalWriter.from_env("worker")
     ids = {"node": cfg.node, "round": cfg.round, "rank": cfg.rank}
     history.record(
         "worker_start",

@@ -112,6 +112,23 @@ def alive(pid: int) -> bool:
         return False
 
 
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot; None: gone). With the time, a pid
+    names one process: the kernel reuses pids (32768 of them here), and on a machine
+    busy with other test runs a dead child's pid may belong to a stranger seconds later."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def still_running(started: dict[int, int | None]) -> list[int]:
+    """The processes of ``started`` (pid -> :func:`start_time`) that run now: the same
+    pid with the same start time, not a zombie."""
+    return [pid for pid, when in started.items() if alive(pid) and start_time(pid) == when]
+
+
 class AgentProc:
     """One ``etcdrun`` process of a test."""
 

@@ -1,8 +1,9 @@
 """A worker without torch for the hang-detection tests: reports a step every
 ``--step-seconds``; with ``--hang-at-step N`` it sleeps inside step N (after the step's
 work, before reporting it) in the first attempt, when ``HANG_HERE`` is set in its
-environment; ``--no-report`` never reports (a script that knows nothing of progress).
-Appends ``<restart count> <last step>`` to ``--done`` when it finishes."""
+environment; ``--no-report`` never reports (a script that knows nothing of progress);
+``--until FILE`` ends the loop early once FILE exists (a job the test stops). Appends
+``<restart count> <last step>`` to ``--done`` when it finishes."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import argparse
 import os
 import time
 
-from agent.progress import report_progress
+from etcd_elastic import report_progress
 
 
 def main() -> None:
@@ -20,10 +21,13 @@ def main() -> None:
     parser.add_argument("--hang-at-step", type=int, default=-1)
     parser.add_argument("--no-report", action="store_true")
     parser.add_argument("--done", default="")
+    parser.add_argument("--until", default="")
     args = parser.parse_args()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     hang = restart == 0 and bool(os.environ.get("HANG_HERE"))
     for step in range(args.steps):
+        if args.until and os.path.exists(args.until):
+            break
         time.sleep(args.step_seconds)
         if hang and step == args.hang_at_step:
             print(f"hanging in step {step} at {time.time():.3f}", flush=True)

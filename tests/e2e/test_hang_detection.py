@@ -39,7 +39,7 @@ def _declared_after_hang_began(agent: AgentProc, hung: AgentProc) -> float:
     """Seconds from the worker's first silent moment (it prints when it starts sleeping)
     to the log line of the agent that declared the hang: the same machine's wall clock."""
     began = float(re.findall(r"hanging in step \d+ at ([\d.]+)", hung.output())[0])
-    line = r"\[([\d-]+ [\d:,]+)\] WARNING agent\.hang: .*declared a hang"
+    line = r"\[([\d-]+ [\d:,]+)\] WARNING agent\.health\.hang: .*declared a hang"
     stamp = re.findall(line, agent.output())
     when = datetime.strptime(stamp[0], "%Y-%m-%d %H:%M:%S,%f").timestamp()
     return when - began

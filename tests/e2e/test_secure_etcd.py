@@ -292,7 +292,7 @@ def test_two_agents_and_rdzvctl_leave_the_password_in_no_file_and_no_worker(
     script = ["--epochs", "1", "--steps-per-epoch", "16", "--sleep-per-step", "0.5",
               "--report", str(report)]  # fmt: skip
     agents = Agents(run_id, secure.endpoint, tmp_path)
-    history = {"ETCD_ELASTIC_HISTORY": str(tmp_path / "history.jsonl")}
+    history = {"ETCD_ELASTIC_JOURNAL": str(tmp_path / "history.jsonl")}
     try:
         for name, conf, env in (
             ("a", f"{tls},user=trainer,password_file={password_file}", history),

@@ -25,8 +25,8 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from agent.agent import Agent
 from agent.config import LaunchConfig
+from agent.loop.agent import Agent
 from coordinator.core.ports import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -241,9 +241,9 @@ SIGNALLED_AGENT = """
     import sys
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
-    from agent.agent import Agent
+    from agent.loop.agent import Agent
     from agent.config import LaunchConfig
-    from agent.stopping import stop_requests
+    from agent.loop.stopping import stop_requests
 
     port, run_id, nodes, script, out = sys.argv[1:]
     handler = get_rendezvous_handler(RendezvousParameters(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.policy import WorkerState
+from agent.workers.state import WorkerState
 from coordinator.core.etcd_client import EtcdClient, EtcdConfig
 from coordinator.etcd_server import EtcdCluster
 from tests.agent_helpers import AgentNode

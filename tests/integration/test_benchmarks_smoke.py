@@ -74,3 +74,16 @@ def test_etcd_ceiling_runs() -> None:
     entry = result["systems"]["etcd"]  # type: ignore[index]
     assert entry["errors"] == []
     assert entry["median"] > 0
+
+
+def test_the_retention_benchmark_finds_nothing_left_of_ended_jobs() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.retention", "--jobs", "6", "--parallel", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=280, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["keys_left_10s_after_retention"] == 0
+    assert result["leases_left_10s_after_retention"] in (0, None)  # None: no etcdctl
+    assert result["db_within_1mb_of_start"] is True
+    assert result["per_job"]["lease_grants"] == 3  # two nodes' leases and the run's

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.metrics import PrometheusMetrics
+from agent.observe.metrics import PrometheusMetrics
 from coordinator.core.etcd_client import EtcdClient, EtcdConfig, WatchEvent
 from coordinator.etcd_server import EtcdCluster, free_port
 from tests.chaos.proxy import Mode, TcpFaultProxy

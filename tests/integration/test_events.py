@@ -151,6 +151,31 @@ def test_each_fact_is_written_once_and_the_log_keeps_the_newest(
     assert [e.restart_count for e in _events(client, keys)] == list(range(31, 41))
 
 
+def test_joins_queued_before_a_close_was_recorded_are_written_unless_trimmed_since(
+    client: EtcdClient, run_id: str
+) -> None:
+    """A one-node run closes at once: the close (written at once) lands before the
+    coordinator's queued join, an older fact; the join is still written. Only a log at
+    its limit (trimmed) skips joins older than everything it kept."""
+    keys = RunKeys("/etcd-elastic", run_id)
+    joined_at = client.put(keys.run_prefix + b"nodes-stand-in", b"")
+    assert record_event(client, keys, Event("closed", incarnation=1, revision=joined_at + 1))
+    log = EventLog(client, keys, written_by="w", limit=10)
+    log.submit([Event("joined", node_id="n-1-0", revision=joined_at)])
+    assert log.flush(30)
+    log.close()
+    assert _kinds(_events(client, keys)) == [("joined", "n-1-0", ""), ("closed", "", "")]
+
+    full = RunKeys("/etcd-elastic", run_id + "-full")
+    for i in range(1, 11):
+        record_event(client, full, Event("restarted", node_id="n-2-0", restart_count=i))
+    log = EventLog(client, full, written_by="w", limit=10)
+    log.submit([Event("joined", node_id="n-1-0", revision=joined_at)])  # older than all
+    assert log.flush(30)
+    log.close()
+    assert "joined" not in {e.kind for e in _events(client, full)}
+
+
 def test_rdzvctl_events_and_timeline_error_paths(
     etcd1: EtcdCluster, run_id: str, client: EtcdClient, capsys: pytest.CaptureFixture[str],
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import pytest
 
-from agent.ending import exit_barrier, release_exit_barrier
+from agent.loop.ending import exit_barrier, release_exit_barrier
 from coordinator.core.etcd_client import EtcdClient, EtcdConfig
 from coordinator.core.keys import RunKeys
 from coordinator.etcd_server import EtcdCluster
@@ -48,7 +48,7 @@ def test_a_node_that_gives_up_releases_the_others_at_once(
         result: list[bool] = []
         start = time.monotonic()
         waiter = threading.Thread(target=lambda: result.append(exit_barrier(waiting, 2, 60, "a")))
-        with caplog.at_level(logging.WARNING, logger="agent.ending"):
+        with caplog.at_level(logging.WARNING, logger="agent.loop.ending"):
             waiter.start()
             time.sleep(0.5)
             release_exit_barrier(quitting, "node 1 (hostB)", "b")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.agents import ETCDRUN, ROOT, alive, descendants, wait_for
+from tests.e2e.agents import ETCDRUN, ROOT, descendants, start_time, still_running, wait_for
 from tests.integration.orphans_support import GONE_WITHIN_S, Tracked, wait_gone
 
 pytestmark = pytest.mark.integration
@@ -70,6 +70,7 @@ def test_sigkilled_standalone_agent_leaves_nothing(
     assert agent.poll() is None, output()
     workers_pids = [tracked.add(int(p.read_text())) for p in sorted(pids_dir.iterdir())]
     started = descendants(agent.pid)
+    identity = {pid: start_time(pid) for pid in started}
     for pid in started:
         tracked.add(pid)
     etcd = [p for p in started if "--initial-cluster-token" in _cmdline(p)]
@@ -95,4 +96,4 @@ def test_sigkilled_standalone_agent_leaves_nothing(
         diagnose=lambda: f"{data_dirs[0]} holds {list(data_dirs[0].rglob('*'))[:5]}",
     )
     print(f"{workers} workers: etcd gone, data removed {time.monotonic() - killed_at:.2f} s")
-    assert [p for p in started if alive(p)] == []
+    assert still_running(identity) == []

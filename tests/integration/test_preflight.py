@@ -17,9 +17,9 @@ from datetime import timedelta
 import pytest
 from torch._C._distributed_c10d import TCPStore
 
-from agent.health import Verdict
-from agent.health_check_worker import DELAY_ENV
-from agent.preflight import HealthCheckFailed, Preflight
+from agent.health.check_worker import DELAY_ENV
+from agent.health.preflight import HealthCheckFailed, Preflight
+from agent.health.verdict import Verdict
 from coordinator.core.state import Quarantine
 from tests.e2e.agents import alive
 

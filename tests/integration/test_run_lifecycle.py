@@ -170,7 +170,7 @@ def test_the_state_of_an_ended_run_expires_after_its_retention(
     kv, _ = client.get(keys.state)
     assert kv is not None and kv.lease != 0
     wait_until(lambda: client.get(keys.state)[0] is None, 10, "the state to expire")
-    # Kept until gc with retention=0, and so is an operator's drain.
+    # Kept until gc with retention=0: no run lease, nothing expires.
     kept = RunKeys(DEFAULT_KEY_PREFIX, run_id + "-kept")
     forever = make_handler(etcd1, kept.run_id, 1, 1, retention=0)
     assert _form(handlers, [forever]) == [0]

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from agent import standalone
-from agent.standalone import embedded_etcd
+from agent.cli import standalone
+from agent.cli.standalone import embedded_etcd
 from coordinator.etcd_server import EtcdCluster
 
 pytestmark = pytest.mark.integration
@@ -88,7 +88,7 @@ def test_signal_to_a_process_holding_the_block_removes_etcd(signum: int, tmp_pat
         f"""
         import sys, threading
         from pathlib import Path
-        from agent import standalone
+        from agent.cli import standalone
 
         clusters = []
         real = standalone.EtcdCluster

@@ -21,8 +21,8 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousInfo
 
 from agent.config import LaunchConfig
-from agent.launches import resolve_master
-from agent.ranks import RoleInfo, exchange_ranks
+from agent.loop.launches import resolve_master
+from agent.loop.ranks import RoleInfo, exchange_ranks
 from coordinator.etcd_server import EtcdCluster
 from coordinator.torch_adapter.handler import EtcdRendezvousHandler
 from tests.agent_helpers import AgentNode

@@ -1,5 +1,5 @@
 """Warm starts against cold ones: a worker started from a warm interpreter
-(:mod:`agent.warm`) sees what the same worker started cold (``python -u``) sees.
+(:mod:`agent.workers.warm`) sees what the same worker started cold (``python -u``) sees.
 
 A probe script records, as one JSON line on its stdout, everything a worker can observe
 about how it was started (module globals, argv, sys.path, cwd, environment, signals,
@@ -39,15 +39,15 @@ from typing import Any
 
 import pytest
 
-import agent.warm
-from agent.errorfile import read_failure
-from agent.logs import StreamPlan, WorkerLogs
-from agent.ranks import WorkerRanks
-from agent.warm import LATE_KEYS, WarmPool
-from agent.workers import GroupInfo, WorkerGroup, WorkerLaunch, build_argv, worker_env
+import agent.workers.warm
+from agent.workers.errorfile import read_failure
+from agent.workers.group import GroupInfo, WorkerGroup, build_argv, worker_env
+from agent.workers.launch import WorkerLaunch, WorkerRanks
+from agent.workers.logs import StreamPlan, WorkerLogs
+from agent.workers.warm import LATE_KEYS, WarmPool
 
-REPO = Path(agent.warm.__file__).resolve().parents[1]
-WARM_PROGRAM = str(Path(agent.warm.__file__).with_name("warm_process.py"))
+REPO = Path(agent.workers.warm.__file__).resolve().parents[1]
+WARM_PROGRAM = str(Path(agent.workers.warm.__file__).with_name("warm_process.py"))
 PY = sys.executable
 READY_WITHIN = 120.0  # seconds for a warm interpreter to import torch on a loaded machine
 
@@ -1001,7 +1001,7 @@ def test_warm_process_killed_while_idle_starts_cold_with_one_warning(
         run = _started_cold(harness, pool, launch, warm, tmp_path)
     assert run.returncode == 0
     assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
-        ("agent.warm", logging.WARNING,
+        ("agent.workers.warm", logging.WARNING,
          "warm start: local rank 0: the warm interpreter did not take the worker "
          "(error [Errno 32] Broken pipe); starting it cold"),
     ]  # fmt: skip
@@ -1016,7 +1016,7 @@ def test_preload_failure_turns_warm_starts_off(
     launch = make_launch(tmp_path / "runs" / "w", 0, build_argv("src/probe.py", ["exit:0"]),
                          base_env())  # fmt: skip
     pool = harness.pool(["no_such_module_for_warm_tests"])
-    with caplog.at_level(logging.INFO, logger="agent.warm"):
+    with caplog.at_level(logging.INFO, logger="agent.workers.warm"):
         pool.refill({0: (launch.argv, launch.env)})
         pid = warm_pids(pool, 0)[0]
         deadline = time.monotonic() + 60
@@ -1382,7 +1382,7 @@ def test_an_interpreter_killed_while_importing_is_replaced_and_warm_starts_stay_
     pool, launch, release = _importing_pool(harness, tmp_path)
     try:
         [victim] = warm_pids(pool, 0)
-        with caplog.at_level(logging.WARNING, logger="agent.warm"):
+        with caplog.at_level(logging.WARNING, logger="agent.workers.warm"):
             os.kill(victim, signal.SIGKILL)
             assert wait_gone(victim), "the killed interpreter was not reaped"
             deadline = time.monotonic() + 30

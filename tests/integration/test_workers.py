@@ -15,11 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.errorfile import read_failure
-from agent.logs import LogSpec, RunLogDir, console_prefix, plan_attempt
-from agent.policy import WorkerState
-from agent.ranks import Assignment
-from agent.workers import (
+from agent.loop.ranks import Assignment
+from agent.workers.errorfile import read_failure
+from agent.workers.group import (
     GroupInfo,
     WorkerGroup,
     WorkerLaunch,
@@ -27,6 +25,8 @@ from agent.workers import (
     build_argv,
     worker_env,
 )
+from agent.workers.logs import LogSpec, RunLogDir, console_prefix, plan_attempt
+from agent.workers.state import WorkerState
 
 TORCHRUN_VARS = (
     "LOCAL_RANK", "RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE",

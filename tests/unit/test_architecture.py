@@ -23,11 +23,24 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "coordinator.rdzvctl": ("coordinator.rdzvctl", "coordinator.core"),
     "coordinator.torch_adapter": ("coordinator.torch_adapter", "coordinator.core"),
     "coordinator.etcd_server": ("coordinator.core",),
-    "agent": ("agent", "coordinator.torch_adapter", "coordinator.core", "coordinator.etcd_server"),
+    "agent": (
+        "agent",
+        "coordinator.torch_adapter",
+        "coordinator.core",
+        "coordinator.etcd_server",
+        "etcd_elastic",
+    ),
+    # What a training script imports: the standard library only (checked below).
+    "etcd_elastic": ("etcd_elastic",),
 }
 # The core and the operator CLI run where torch may be absent (and must start fast).
-NO_TORCH = ("coordinator.core", "coordinator.rdzvctl", "coordinator.etcd_server")
-OURS = ("coordinator", "agent", "benchmarks", "tests", "examples")
+NO_TORCH = ("coordinator.core", "coordinator.rdzvctl", "coordinator.etcd_server", "etcd_elastic")
+OURS = ("coordinator", "agent", "benchmarks", "tests", "examples", "etcd_elastic")
+# The agent's wings, lowest first: a wing may import the wings before it, never after
+# (docs/architecture.md). The modules at the top of ``agent`` that every wing shares
+# (``config``, ``store``, ``errors``) import no wing.
+WINGS = ("workers", "health", "observe", "loop", "cli")
+SHARED = ("agent.config", "agent.store", "agent.errors")
 
 
 def _module_name(path: Path) -> str:
@@ -54,7 +67,11 @@ def _imports(path: Path) -> list[tuple[int, str]]:
 
 
 def _sources() -> list[Path]:
-    files = [*(ROOT / "coordinator").rglob("*.py"), *(ROOT / "agent").rglob("*.py")]
+    files = [
+        *(ROOT / "coordinator").rglob("*.py"),
+        *(ROOT / "agent").rglob("*.py"),
+        *(ROOT / "etcd_elastic").rglob("*.py"),
+    ]
     return sorted(p for p in files if "generated" not in p.parts)
 
 
@@ -74,8 +91,52 @@ def _check(path: Path, module: str) -> list[str]:
     return found
 
 
+def _wing(module: str) -> str | None:
+    """The agent wing ``module`` belongs to; "" for a shared module; None for any other
+    (outside the agent, or an entry point at its top: ``agent.__main__``, the
+    ``agent.progress`` alias of :mod:`etcd_elastic`)."""
+    parts = module.split(".")
+    if parts[0] != "agent" or len(parts) < 2:
+        return None
+    if parts[1] in WINGS:
+        return parts[1]
+    return "" if ".".join(parts[:2]) in SHARED else None
+
+
+def _check_wings(path: Path, module: str) -> list[str]:
+    """An agent module imports only wings below its own (shared modules: none)."""
+    mine = _wing(module)
+    if mine is None:
+        return []
+    found = []
+    for line, name in _imports(path):
+        theirs = _wing(name)
+        if theirs is None or theirs == "" or theirs == mine:
+            continue
+        if mine == "" or WINGS.index(theirs) > WINGS.index(mine):
+            where = module if mine == "" else f"agent.{mine}"
+            found.append(f"{path.name}:{line} imports {name}, a wing above {where}")
+    return found
+
+
+def _stdlib_only(path: Path, module: str) -> list[str]:
+    """The worker-side package imports the standard library and itself, nothing else."""
+    if not (module == "etcd_elastic" or module.startswith("etcd_elastic.")):
+        return []
+    return [
+        f"{path.name}:{line} imports {name}: etcd_elastic may use only the standard library"
+        for line, name in _imports(path)
+        if name.split(".")[0] not in (*sys.stdlib_module_names, "etcd_elastic", "__future__")
+    ]
+
+
 def _violations() -> list[str]:
-    return [v for path in _sources() for v in _check(path, _module_name(path))]
+    return [
+        v
+        for path in _sources()
+        for check in (_check, _check_wings, _stdlib_only)
+        for v in check(path, _module_name(path))
+    ]
 
 
 def test_every_import_follows_the_layers() -> None:
@@ -97,6 +158,28 @@ def test_the_checker_sees_a_forbidden_import(tmp_path: Path) -> None:
     ]
     assert _check(bad, "coordinator.torch_adapter.store") == []
     assert _check(bad, "coordinator.stray") == ["coordinator.stray: belongs to no layer"]
+
+
+def test_the_checker_sees_a_wing_imported_upwards(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "from agent.loop.policy import Step\nfrom agent.workers.state import WorkerState\n"
+        "from agent.config import LaunchConfig\nimport numpy\n"
+    )
+    assert _check_wings(bad, "agent.workers.group") == [
+        "bad.py:1 imports agent.loop.policy, a wing above agent.workers"
+    ]
+    assert _check_wings(bad, "agent.cli.etcdrun") == []
+    assert _check_wings(bad, "agent.store") == [
+        "bad.py:1 imports agent.loop.policy, a wing above agent.store",
+        "bad.py:2 imports agent.workers.state, a wing above agent.store",
+    ]
+    assert _stdlib_only(bad, "etcd_elastic.progress") == [
+        "bad.py:1 imports agent.loop.policy: etcd_elastic may use only the standard library",
+        "bad.py:2 imports agent.workers.state: etcd_elastic may use only the standard library",
+        "bad.py:3 imports agent.config: etcd_elastic may use only the standard library",
+        "bad.py:4 imports numpy: etcd_elastic may use only the standard library",
+    ]
 
 
 @pytest.mark.parametrize(

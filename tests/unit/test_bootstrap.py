@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from agent.bootstrap import BootstrapStoreError, host_bootstrap_store
+from agent.workers.bootstrap import BootstrapStoreError, host_bootstrap_store
 
 
 def test_listens_on_a_free_port_before_any_worker() -> None:

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-import agent.cli as cli
-from agent.cli import main, parse_args
+import agent.cli.etcdrun as cli
+from agent.cli.configure import scheduler_run_id
+from agent.cli.etcdrun import main, parse_args
 from agent.config import LaunchConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -158,7 +159,7 @@ def test_misuse_is_one_line_and_exit_code_2(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("agent.devices.cuda_device_count", lambda: 0)
+    monkeypatch.setattr("agent.cli.devices.cuda_device_count", lambda: 0)
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2
@@ -301,7 +302,7 @@ def test_pet_environment_supplies_defaults() -> None:
 
 
 def test_ignored_torchrun_flags_warn(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="agent.cli"):
+    with caplog.at_level(logging.WARNING, logger="agent.cli.etcdrun"):
         _parse(["--numa-binding=node", "--virtual-local-rank", "train.py"])
     text = caplog.text
     assert "--numa-binding='node' is accepted for torchrun compatibility and ignored" in text
@@ -376,7 +377,7 @@ def test_a_run_id_comes_from_slurm_or_is_random_for_one_node() -> None:
     one = _parse(["--nnodes=1", "--rdzv-endpoint=h", "train.py"], environ={})
     two = _parse(["--nnodes=1", "--rdzv-endpoint=h", "train.py"], environ={})
     assert one.rdzv_id != two.rdzv_id and len(one.rdzv_id) == 36
-    assert cli.scheduler_run_id({"SLURM_JOB_ID": "x/y"}) is None  # not a valid run id
+    assert scheduler_run_id({"SLURM_JOB_ID": "x/y"}) is None  # not a valid run id
 
 
 def test_drain_signal_takes_a_name_or_a_number(capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from agent import cli
-from agent.cli import main, parse_args
+from agent.cli import etcdrun as cli
+from agent.cli.etcdrun import main, parse_args
 from agent.config import LaunchConfig
 
 

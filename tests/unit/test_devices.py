@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.devices import cpu_count, resolve_nproc
+from agent.cli.devices import cpu_count, resolve_nproc
 
 
 def _counts(gpus: int, cpus: int) -> dict[str, object]:

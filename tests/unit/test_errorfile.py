@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.errorfile import Failure, format_report, read_failure, root_cause
+from agent.workers.errorfile import Failure, format_report, read_failure, root_cause
 
 T0 = 1_700_000_000.0
 

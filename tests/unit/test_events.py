@@ -8,15 +8,14 @@ import json
 
 import pytest
 
+from coordinator.core.commit_events import EventRecorder, events_of_commit
 from coordinator.core.errors import CorruptValueError
 from coordinator.core.etcd_client import KeyValue
 from coordinator.core.events import (
     Event,
-    EventRecorder,
     decode_event,
     encode_event,
     event_id,
-    events_of_commit,
     order_events,
     read_events,
     trim_count,
@@ -85,7 +84,14 @@ def test_ids_name_the_fact_so_two_writers_of_it_write_one_key() -> None:
     assert event_id(Event("round_completed", round=12)) == "round_completed/12"
     assert event_id(Event("restarted", node_id="n", restart_count=2)) == "restarted/n/2"
     assert event_id(Event("closed", incarnation=3)) == "closed/3"
-    assert event_id(Event("fault", unix_ms=5)) == "fault/run/5"
+    # Two nodes recording one hang (or quarantine) at their own wall times: one key.
+    hung = [Event("fault", node_id="n", cause="hung", round=4, unix_ms=ms) for ms in (5, 9)]
+    assert {event_id(e) for e in hung} == {"fault/n/hung-4"}
+    assert event_id(Event("fault", node_id="n", cause="quarantined", round=4)) == (
+        "fault/n/quarantined-4"
+    )
+    drain = Event("drain_requested", node_id="n", revision=40, unix_ms=5)
+    assert event_id(drain) == "drain_requested/n/40"
     keys = RunKeys("/p", "r")
     assert keys.event("joined/n-1-0/7") == b"/p/r/events/joined/n-1-0/7"
 

@@ -1,5 +1,6 @@
-"""Pure rules of hang detection: who stopped first, when a node publishes, the fold of
-its workers' slots, the state's one hang per round, and the stored forms."""
+"""Pure rules of hang detection: who stopped first, when a node suspects a hang and what
+it writes or deletes, when a failed declaration is tried again, the fold of its workers'
+slots, the state's one hang per round, and the stored forms."""
 
 from __future__ import annotations
 
@@ -7,12 +8,16 @@ import json
 
 import pytest
 
-from agent.hang_rules import (
+from agent.health.hang_rules import (
     LocalProgress,
-    Published,
+    RecordOp,
+    Suspicion,
+    declare_retry_seconds,
     fold,
     hang_line,
-    publish_due,
+    record_op,
+    suspect_after_ns,
+    suspicion,
     tick_seconds,
     track,
 )
@@ -31,37 +36,51 @@ KEY = "/etcd-elastic/job42/state"
 PKEY = "/etcd-elastic/job42/progress/b-2-0"
 
 
-def _p(node: str, step: int, round: int = 3) -> NodeProgress:
-    return NodeProgress(node_id=node, round=round, step=step)
+def _p(node: str, step: int, round: int = 3, stalled: bool = True) -> NodeProgress:
+    return NodeProgress(node_id=node, round=round, step=step, stalled=stalled)
 
 
-# (declarer, its own step, records as node -> (step, round), expected blame)
+# (declarer, its own step, suspicions as node -> (step, round), the round's nodes,
+#  expected blame). A node of the round without a record was not stalled.
 BLAME = [
     # b stopped inside step 41 after the collective: the others finished 41 and wait.
-    ("a", 41, {"a": (40, 3), "b": (40, 3), "c": (41, 3)}, Blame(("b",), 40, True)),
+    ("a", 41, {"a": (41, 3), "b": (40, 3), "c": (41, 3)}, "abc", Blame(("b",), 40, True)),
     # two nodes behind: both named
-    ("c", 41, {"a": (40, 3), "b": (40, 3)}, Blame(("a", "b"), 40, True)),
-    ("c", 41, {"a": (41, 3), "b": (40, 3), "c": (41, 3)}, Blame(("b",), 40, True)),
+    ("c", 41, {"a": (40, 3), "b": (40, 3)}, "abc", Blame(("a", "b"), 40, True)),
     # the declarer's own step is fresher than its record
-    ("a", 42, {"a": (40, 3), "b": (41, 3)}, Blame(("b",), 41, True)),
-    # every node at the same step: progress cannot tell; the first to time out is named
-    ("b", 40, {"a": (40, 3), "b": (40, 3), "c": (40, 3)}, Blame(("b",), 40, False)),
-    # alone in the run
-    ("a", 7, {}, Blame(("a",), 7, False)),
-    # a record of an older round (a node that has not reported yet) does not count
-    ("a", 5, {"b": (900, 2), "c": (6, 3)}, Blame(("a",), 5, True)),
-    ("a", 5, {"b": (1, 2)}, Blame(("a",), 5, False)),
+    ("a", 42, {"a": (40, 3), "b": (41, 3)}, "ab", Blame(("b",), 41, True)),
+    # every node stalled at the same step: progress cannot tell; the first to time out
+    ("b", 40, {"a": (40, 3), "b": (40, 3), "c": (40, 3)}, "abc", Blame(("b",), 40, False)),
+    # the others went on (no suspicion of theirs): the stalled node is behind them
+    ("b", 29, {"b": (29, 3)}, "ab", Blame(("b",), 29, True)),
+    # so are two stalled nodes while a third went on
+    ("b", 29, {"a": (29, 3), "b": (29, 3)}, "abc", Blame(("a", "b"), 29, True)),
+    # the others of a long step stalled a step later and did not suspect yet
+    ("a", 7, {}, "abc", Blame(("a",), 7, True)),
+    # alone in the run, or the round's nodes unknown: a tie
+    ("a", 7, {}, "a", Blame(("a",), 7, False)),
+    ("a", 7, {"b": (7, 3)}, "", Blame(("a",), 7, False)),
+    # a record of an older round (it made progress since, in a new round) does not count
+    ("a", 5, {"b": (900, 2), "c": (6, 3)}, "ac", Blame(("a",), 5, True)),
+    ("a", 5, {"b": (1, 2)}, "", Blame(("a",), 5, False)),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("declarer", "own", "records", "expected"), BLAME)
+@pytest.mark.parametrize(("declarer", "own", "records", "nodes", "expected"), BLAME)
 def test_who_stopped_first(
-    declarer: str, own: int, records: dict[str, tuple[int, int]], expected: Blame
+    declarer: str, own: int, records: dict[str, tuple[int, int]], nodes: str, expected: Blame
 ) -> None:
     got = who_stopped_first(
-        declarer, own, {n: _p(n, s, r) for n, (s, r) in records.items()}, round=3
+        declarer, own, {n: _p(n, s, r) for n, (s, r) in records.items()}, 3, tuple(nodes)
     )
     assert got == expected
+
+
+def test_a_record_that_is_no_suspicion_does_not_count() -> None:
+    # An agent of an earlier version published healthy nodes too, with stalled false.
+    records = {"a": _p("a", 40), "b": _p("b", 12, stalled=False)}
+    assert who_stopped_first("a", 40, records, 3, ("a", "b")) == Blame(("a",), 40, True)
+    assert who_stopped_first("a", 40, records, 3, ("a",)) == Blame(("a",), 40, False)
 
 
 def test_fold_judges_running_workers_that_reported() -> None:
@@ -73,21 +92,60 @@ def test_fold_judges_running_workers_that_reported() -> None:
     assert fold([None, None], frozenset({0, 1})) is None
 
 
-PUBLISH = [
-    (None, 5, False, 0.0, True),  # first report of the round
-    (Published(5, False, 10.0), 5, False, 99.0, False),  # nothing new: no write
-    (Published(5, False, 10.0), 6, False, 10.5, False),  # new step, too soon
-    (Published(5, False, 10.0), 6, False, 11.0, True),  # new step, interval passed
-    (Published(5, False, 10.0), 5, True, 10.1, True),  # stalled: at once
-    (Published(5, True, 10.0), 5, False, 10.1, True),  # progress again: at once
+S = 1_000_000_000  # ns
+
+
+def test_a_node_suspects_at_the_timeout_less_half_of_it_at_most_10_s() -> None:
+    assert suspect_after_ns(3 * S) == 3 * S // 2
+    assert suspect_after_ns(1 * S) == S // 2
+    assert suspect_after_ns(20 * S) == 10 * S
+    assert suspect_after_ns(120 * S) == 110 * S
+
+
+_LOCAL = LocalProgress(step=29, last_ns=0, reporting=2)
+
+SUSPICION = [
+    # (local progress, silence, suspect after, the record wanted)
+    (_LOCAL, 2 * S, 3 * S, None),  # not long enough
+    (_LOCAL, 3 * S, 3 * S, Suspicion(4, 29)),
+    (_LOCAL, 9 * S, None, None),  # detection off: never
+    (None, 9 * S, 3 * S, None),  # no running worker reported: not judged
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("last", "step", "stalled", "now", "due"), PUBLISH)
-def test_publish_due(
-    last: Published | None, step: int, stalled: bool, now: float, due: bool
+@pytest.mark.parametrize(("local", "silent", "after", "wanted"), SUSPICION)
+def test_suspicion(
+    local: LocalProgress | None, silent: int, after: int | None, wanted: Suspicion | None
 ) -> None:
-    assert publish_due(last, step, stalled, now, interval=1.0) is due
+    assert suspicion(4, local, silent, after) == wanted
+
+
+RECORD = [
+    # (written, wanted, round judged, what to do)
+    (None, None, 4, RecordOp.KEEP),  # healthy: nothing, ever
+    (None, Suspicion(4, 29), 4, RecordOp.WRITE),  # begins to suspect: one write
+    (Suspicion(4, 29), Suspicion(4, 29), 4, RecordOp.KEEP),  # still: nothing more
+    (Suspicion(4, 29), Suspicion(4, 31), 4, RecordOp.WRITE),  # a worker moved, one did not
+    (Suspicion(4, 29), None, 4, RecordOp.DELETE),  # progress again: one delete
+    (Suspicion(3, 29), None, 4, RecordOp.KEEP),  # last round's: left as it is
+    (Suspicion(3, 29), Suspicion(4, 2), 4, RecordOp.WRITE),  # suspects again: replaced
+    (Suspicion(4, 29), None, None, RecordOp.KEEP),  # workers being stopped: left
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("written", "wanted", "round", "op"), RECORD)
+def test_record_op_writes_only_on_a_change(
+    written: Suspicion | None, wanted: Suspicion | None, round: int | None, op: RecordOp
+) -> None:
+    assert record_op(written, wanted, round) is op
+
+
+def test_a_failed_declaration_is_retried_after_a_bounded_backoff() -> None:
+    # jitter 0.999...: the top of each step's range; 0: half of it
+    top = [round(declare_retry_seconds(n, 0.9999), 2) for n in range(1, 7)]
+    assert top == [0.25, 0.5, 1.0, 2.0, 2.0, 2.0]
+    assert declare_retry_seconds(1, 0.0) == 0.125
+    assert declare_retry_seconds(50, 0.0) == 1.0
 
 
 def test_tick_is_a_quarter_of_the_timeout_at_most_a_quarter_second() -> None:

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from agent.health import (
+from agent.health.verdict import (
     NodeResult,
     PairTime,
     Thresholds,

@@ -1,11 +1,12 @@
-"""What ends the formation phase while the pre-flight check runs (agent.rounds)."""
+"""What ends the formation phase while the pre-flight check runs (agent.loop.rounds)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from agent.phase import Phase
-from agent.rounds import EXCHANGE, HEALTH_CHECK, formation_changed
+from agent.loop.phase import Phase
+from agent.loop.rounds import EXCHANGE, HEALTH_CHECK, formation_changed
+from coordinator.torch_adapter.surface import ForeignSurface
 
 
 class FakeHandler:
@@ -32,7 +33,7 @@ def _phase(stage: str) -> Phase[Any]:
 
 def test_during_the_check_only_a_participant_that_left_ends_the_wait() -> None:
     handler = FakeHandler()
-    changed = formation_changed(handler)  # type: ignore[arg-type]
+    changed = formation_changed(handler, handler)  # type: ignore[arg-type]
     check = _phase(HEALTH_CHECK)
     # A node that finished its verdict first re-joins: listed as waiting. Not a change.
     handler.waiting = 1
@@ -54,4 +55,5 @@ def test_a_handler_without_departures_never_ends_the_check() -> None:
         def num_nodes_waiting(self) -> int:
             return 3
 
-    assert formation_changed(Foreign())(_phase(HEALTH_CHECK)) is None  # type: ignore[arg-type]
+    changed = formation_changed(Foreign(), ForeignSurface())  # type: ignore[arg-type]
+    assert changed(_phase(HEALTH_CHECK)) is None

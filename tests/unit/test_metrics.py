@@ -23,19 +23,24 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-import agent.cli as cli
-from agent.cli import main, parse_args
+import agent.cli.etcdrun as cli
+from agent.cli.etcdrun import main, parse_args
 from agent.config import LaunchConfig
-from agent.metrics import (
+from agent.loop.policy import Step, restart_cause
+from agent.observe.metrics import (
     METRIC_NAMES,
     RESTART_CAUSES,
     PrometheusMetrics,
     RunMetrics,
-    restart_cause,
     running_workers,
 )
-from agent.metrics_server import MetricsServer, MetricsServerError, listen_error, metrics_url
-from agent.policy import Step, WorkerState
+from agent.observe.metrics_server import (
+    MetricsServer,
+    MetricsServerError,
+    listen_error,
+    metrics_url,
+)
+from agent.workers.state import WorkerState
 from coordinator.core.errors import EtcdAuthError
 from coordinator.core.etcd_client import EtcdClient, EtcdConfig
 from coordinator.core.etcd_client._observer import Observed
@@ -354,7 +359,7 @@ def test_the_endpoint_serves_the_registry_on_an_ephemeral_port_and_stops(
 ) -> None:
     metrics = PrometheusMetrics("job-e")
     metrics.round_formed(1, 1, 0.5)
-    with caplog.at_level(logging.INFO, logger="agent.metrics_server"):
+    with caplog.at_level(logging.INFO, logger="agent.observe.metrics_server"):
         server = MetricsServer(metrics, "127.0.0.1", 0)
     with server:
         assert server.port > 0

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.policy import Step, WorkerState, next_step
+from agent.loop.policy import Step, next_step
+from agent.workers import state as state_module
+from agent.workers.state import WorkerState
 
 S = WorkerState
 
@@ -66,7 +68,7 @@ def test_negative_restarts_rejected() -> None:
 
 
 def test_every_state_is_documented() -> None:
-    source = Path(next_step.__code__.co_filename).read_text()
+    source = Path(state_module.__file__ or "").read_text()
     for state in S:
         # each member is followed by its docstring in the enum body
         assert f'{state.name} = "{state.value}"\n    """' in source

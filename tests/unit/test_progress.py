@@ -1,4 +1,4 @@
-"""The worker's progress API and the file the agent reads it from (agent.progress)."""
+"""The worker's progress API and the file the agent reads it from (etcd_elastic.progress)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.progress import PROGRESS_FILE_ENV, ProgressFile
+from etcd_elastic.progress import PROGRESS_FILE_ENV, ProgressFile
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,7 +37,7 @@ def test_each_worker_writes_its_own_slot_and_reset_forgets(tmp_path: Path) -> No
     f = ProgressFile(2, str(tmp_path))
     try:
         # os._exit: no exit handler, so the slot keeps what the worker wrote last
-        code = "import os; from agent.progress import report_progress as r; r(7); r(8); os._exit(0)"
+        code = "import os; from etcd_elastic import report_progress as r; r(7); r(8); os._exit(0)"
         out = _run(code, {PROGRESS_FILE_ENV: f.path, "LOCAL_RANK": "1"})
         assert out.returncode == 0, out.stderr
         assert out.stderr == ""
@@ -51,9 +51,9 @@ def test_each_worker_writes_its_own_slot_and_reset_forgets(tmp_path: Path) -> No
 def test_without_the_agent_the_call_does_nothing(tmp_path: Path) -> None:
     code = (
         "import sys\n"
-        "from agent.progress import report_progress\n"
+        "from etcd_elastic import report_progress\n"
         "for i in range(1000): report_progress(i)\n"
-        "import agent.progress as p\n"
+        "import etcd_elastic.progress as p\n"
         "assert p._slots is None and p._resolved\n"
         "assert 'torch' not in sys.modules and 'coordinator' not in sys.modules\n"
     )
@@ -79,13 +79,13 @@ def test_a_bad_file_is_one_line_and_training_goes_on(
     tmp_path: Path, make: object, rank: str, why: str
 ) -> None:
     path = make(tmp_path)  # type: ignore[operator]
-    code = "from agent.progress import report_progress as r; r(1); r(2); print('trained')"
+    code = "from etcd_elastic import report_progress as r; r(1); r(2); print('trained')"
     out = _run(code, {PROGRESS_FILE_ENV: path, "LOCAL_RANK": rank})
     assert out.returncode == 0
     assert out.stdout == "trained\n"
     lines = out.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(
-        f"agent.progress: not reporting progress ({path}: "
+        f"etcd_elastic.progress: not reporting progress ({path}: "
     )
     assert why in lines[0]
 
@@ -110,11 +110,11 @@ def test_a_file_needs_a_slot() -> None:
 def test_every_call_counts_whatever_the_step(tmp_path: Path) -> None:
     f = ProgressFile(1, str(tmp_path))
     try:
-        code = "import os; from agent.progress import report_progress as r; r(0); os._exit(0)"
+        code = "import os; from etcd_elastic import report_progress as r; r(0); os._exit(0)"
         assert _run(code, {PROGRESS_FILE_ENV: f.path, "LOCAL_RANK": "0"}).returncode == 0
         assert f.read() == [(0, 1)]
         code = (
-            "import os; from agent.progress import report_progress as r\n"
+            "import os; from etcd_elastic import report_progress as r\n"
             "r(-5); r(-5); r(-5); os._exit(0)"
         )
         assert _run(code, {PROGRESS_FILE_ENV: f.path, "LOCAL_RANK": "0"}).returncode == 0
@@ -129,19 +129,19 @@ def test_a_paused_worker_is_not_watched_until_it_reports_again(tmp_path: Path) -
         env = {PROGRESS_FILE_ENV: f.path, "LOCAL_RANK": "0"}
         code = (
             "import os\n"
-            "from agent.progress import pause_progress as p, report_progress as r\n"
+            "from etcd_elastic import pause_progress as p, report_progress as r\n"
             "r(1); r(2); p(); print('paused', flush=True)\n"
             "r(3); os._exit(0)\n"  # no exit handler: the slot keeps step 3
         )
         assert _run(code, env).stdout == "paused\n"
         assert f.read() == [(3, 3)]  # the count goes on from where it was
-        code = "from agent.progress import pause_progress as p, report_progress as r; r(1); p()"
+        code = "from etcd_elastic import pause_progress as p, report_progress as r; r(1); p()"
         assert _run(code, env).returncode == 0
         assert f.read() == [None]
-        code = "from agent.progress import report_progress as r; r(9)"  # exits normally
+        code = "from etcd_elastic import report_progress as r; r(9)"  # exits normally
         assert _run(code, env).returncode == 0
         assert f.read() == [None], "the interpreter's exit pauses the worker"
-        code = "from agent.progress import pause_progress as p; p()"  # before any report
+        code = "from etcd_elastic import pause_progress as p; p()"  # before any report
         assert _run(code, {}).returncode == 0
     finally:
         f.close()

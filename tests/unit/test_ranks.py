@@ -7,7 +7,7 @@ import threading
 import pytest
 from torch.distributed import HashStore
 
-from agent.ranks import (
+from agent.loop.ranks import (
     Assignment,
     RoleInfo,
     WorkerRanks,

@@ -98,6 +98,10 @@ ID_RULE = "use 1-128 characters from A-Z a-z 0-9 . _ - starting with a letter or
             "starting with a letter or digit",
         ),
         (["events"], "RUN: missing; see rdzvctl events --help"),
+        (
+            ["events", "x", "--incarnation", "0"],
+            "--incarnation: '0' is not a whole number above 0",
+        ),
         (["timeline", "x"], "-o/--output: missing; see rdzvctl timeline --help"),
         (
             ["timeline", "x", "-o", "run.txt"],
@@ -178,6 +182,8 @@ def test_command_options() -> None:
     assert close.reason == "maintenance window"
     gc = parse_args(["gc", "--older-than", "1h30m", "--dry-run"], environ={})
     assert (gc.older_than, gc.dry_run) == (5400.0, True)
+    assert parse_args(["events", "r", "--incarnation", "2"], environ={}).incarnation == 2
+    assert parse_args(["events", "r"], environ={}).incarnation is None
 
 
 @pytest.mark.parametrize(

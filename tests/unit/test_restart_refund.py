@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from agent.policy import RestartBudget, WorkerState, restart_refunded, stop_for_closed_run
+from agent.loop.policy import RestartBudget, restart_refunded, stop_for_closed_run
+from agent.workers.state import WorkerState
 
 
 @pytest.mark.parametrize(

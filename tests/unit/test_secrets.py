@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from agent.config import LaunchConfig
-from agent.workers import without_secrets
+from agent.workers.group import without_secrets
 from coordinator.core.errors import ConfigError, EtcdAuthError
 from coordinator.core.etcd_client import EtcdClient, EtcdConfig
 

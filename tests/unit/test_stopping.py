@@ -1,6 +1,6 @@
 """Signals become stop requests on a watcher thread, never exceptions in the main thread.
 
-A child process installs :func:`agent.stopping.stop_requests` and then holds a lock in a
+A child process installs :func:`agent.loop.stopping.stop_requests` and then holds a lock in a
 busy loop (the worst place for a Python signal handler that would take that lock or
 raise); SIGTERM must reach ``on_stop`` on another thread, the main thread must see only
 the flag, and on exit the previous handler must be back.
@@ -15,7 +15,7 @@ import textwrap
 
 CHILD = """
     import signal, sys, threading, time
-    from agent.stopping import stop_requests
+    from agent.loop.stopping import stop_requests
 
     requested = []
     lock = threading.Lock()

@@ -5,21 +5,26 @@ result, and a quarantine marked only by the node whose write landed."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
-from torch.distributed.elastic.rendezvous import RendezvousHandler
-
-from agent.ending import quarantine_recorded, record_faults, record_health, record_restart
+from agent.observe.timeline import (
+    quarantine_recorded,
+    record_faults,
+    record_health,
+    record_restart,
+)
 from coordinator.core.events import Event, event_id
 from coordinator.core.state import Quarantine
+from coordinator.torch_adapter.surface import ForeignSurface, RendezvousSurface
 
 
-class Handler:
+class Handler(ForeignSurface):
     """What the recording helpers read from a handler (ours), and the events it got."""
 
     node_id = "n1"
     last_round = 4
     incarnation = 2
+    can_quarantine = True
 
     def __init__(self, lands: bool = True) -> None:
         self.events: list[Event] = []
@@ -34,9 +39,9 @@ class Handler:
         return self._lands
 
 
-def handler(**kw: Any) -> tuple[Handler, RendezvousHandler]:
+def handler(**kw: Any) -> tuple[Handler, RendezvousSurface]:
     h = Handler(**kw)
-    return h, cast(RendezvousHandler, h)
+    return h, h
 
 
 def test_a_hang_marks_each_named_node_with_a_hung_fault() -> None:
@@ -73,7 +78,7 @@ def test_only_the_node_whose_quarantine_write_landed_marks_the_nodes() -> None:
 
 
 def test_a_handler_without_a_timeline_or_quarantine_is_left_alone() -> None:
-    plain = cast(RendezvousHandler, object())
+    plain = ForeignSurface()
     assert quarantine_recorded(plain) is None
     record_faults(plain, ("a",), "hung", 1, "x")  # no error, nothing to record
     record_health(plain, "a", 1, "x")

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli import parse_args
-from agent.cli_values import UsageError, parse_modules
+from agent.cli.etcdrun import parse_args
+from agent.cli.values import UsageError, parse_modules
 from agent.config import LaunchConfig
-from agent.warm import LATE_KEYS, WarmTarget, env_compatible, warm_target
+from agent.workers.warm import LATE_KEYS, WarmTarget, env_compatible, warm_target
 
 PY = "/work/venv/bin/python"
 
@@ -72,7 +72,7 @@ def test_warm_target_is_none_where_only_a_cold_start_keeps_the_meaning(argv: lis
 
 
 def test_warm_target_of_what_build_argv_makes() -> None:
-    from agent.workers import RUN_PATH_CODE, build_argv
+    from agent.workers.group import RUN_PATH_CODE, build_argv
 
     assert warm_target(build_argv("t.py", ["a"], python=PY)) == WarmTarget(
         PY, "script", "t.py", ("a",)

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from agent.config import LaunchConfig
-from agent.history import NODE_ENV, ROUND_ENV
-from agent.launches import build_launches, warm_templates
-from agent.logs import LogSpec
-from agent.ranks import Assignment
-from agent.warm import env_compatible
-from agent.workers import GroupInfo
+from agent.loop.launches import build_launches, warm_templates
+from agent.loop.ranks import Assignment
+from agent.observe.journal import NODE_ENV, ROUND_ENV
+from agent.workers.group import GroupInfo
+from agent.workers.logs import LogSpec
+from agent.workers.warm import env_compatible
 
 
 def _group(config: LaunchConfig, group_rank: int, restart_count: int) -> GroupInfo:

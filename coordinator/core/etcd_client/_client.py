@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import grpc
 
 from coordinator.core.errors import EtcdConnectionError, LeaseLostError
-from coordinator.core.etcd_client._connection import Metadata
+from coordinator.core.etcd_client._connection import Metadata, _stream_metadata
 from coordinator.core.etcd_client._etcdrpc import etcdrpc
 from coordinator.core.etcd_client._failover import NOT_FOUND, _status, classify_status
 from coordinator.core.etcd_client._keepalive import KeepAlive, OnReachable, OnUnreachable
@@ -151,6 +151,65 @@ class EtcdClient(_KV):
             return int(rsp.ID)
 
         return self._unary("lease_grant", grant)
+
+    def lease_grant_if_absent(self, lease_id: int, ttl: int) -> int:
+        """Grant lease ``lease_id`` (an id every writer of it computes alike) of ``ttl``
+        seconds unless a lease with that id exists.
+
+        Returns:
+            The TTL etcd granted (at least its minimum), or 0 when the id exists already
+            (somebody's grant, or an earlier attempt of this one whose answer was lost).
+
+        Raises:
+            ValueError: ``lease_id`` is not a lease id.
+        """
+        if not 0 < lease_id < 2**63:
+            raise ValueError(f"lease id {lease_id} is not a lease id (1 to 2**63-1)")
+        request = etcdrpc.LeaseGrantRequest(TTL=ttl, ID=lease_id)
+
+        def grant(stubs: Any, timeout: float, metadata: Metadata) -> int:
+            try:
+                rsp = stubs.lease.LeaseGrant(request, timeout=timeout, metadata=metadata)
+            except grpc.RpcError as exc:
+                if _LEASE_EXISTS in _status(exc)[1].lower():
+                    return 0
+                raise
+            if rsp.error:
+                if _LEASE_EXISTS in rsp.error.lower():
+                    return 0
+                raise EtcdConnectionError(f"etcd refused a lease of {ttl} s: {rsp.error}")
+            return int(rsp.TTL)
+
+        return self._unary("lease_grant", grant)
+
+    def lease_refresh(self, lease_id: int, *, budget: float | None = None) -> int:
+        """Renew the lease once (one keep-alive on a short stream of its own).
+
+        Returns:
+            The lease's TTL (its full TTL from now on), or 0 when etcd has no such lease.
+        """
+        request = etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
+
+        def refresh(stubs: Any, timeout: float, metadata: Metadata) -> int:
+            # etcd answers each request before it reads the end of the stream, so one
+            # request and the half-close that follows it get exactly one answer.
+            call = stubs.lease.LeaseKeepAlive(
+                iter((request,)), timeout=timeout, metadata=_stream_metadata(metadata)
+            )
+            try:
+                for rsp in call:
+                    return max(0, int(rsp.TTL))
+            except grpc.RpcError as exc:
+                if "lease not found" in _status(exc)[1].lower():
+                    return 0
+                raise
+            finally:
+                call.cancel()
+            return 0
+
+        return self._unary(
+            f"lease_refresh of lease {lease_id:x}", refresh, budget=budget, method="lease_refresh"
+        )
 
     def lease_revoke(self, lease_id: int, *, budget: float | None = None) -> None:
         """Revoke the lease and delete its keys. A lease already gone is not an error."""

@@ -1,9 +1,17 @@
-"""KV reads and writes and revision-guarded transactions: the ``_KV`` layer of EtcdClient."""
+"""KV reads and writes and revision-guarded transactions: the ``_KV`` layer of EtcdClient.
+
+Also where a write's lease is chosen: a write that names no lease of its own goes on the
+lease bound to the longest prefix of its key (:meth:`_KV.bind_prefix`). A run binds its
+folder to the run's lease, so every key of the run that no node owns (the state, the
+Store's rounds, the timeline) is deleted by etcd when that lease expires, whichever
+module wrote it (``coordinator.core.run_lease``).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from coordinator.core.etcd_client._connection import _Connection
 from coordinator.core.etcd_client._etcdrpc import etcdrpc
@@ -18,9 +26,59 @@ from coordinator.core.etcd_client._types import (
 __all__ = ["_KV", "_check_prefix"]
 
 
+class _Binding(NamedTuple):
+    prefix: bytes
+    lease: int
+
+
 class _KV(_Connection):
     """Every KV call of :class:`EtcdClient`; each returns etcd's header revision with its
     result, so callers can watch from exactly the revision they read."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Replaced whole under the lock, read without it (one attribute read per write).
+        self._bindings: tuple[_Binding, ...] = ()
+        self._bindings_lock = threading.Lock()
+
+    def bind_prefix(self, prefix: bytes, lease: int) -> Callable[[], None]:
+        """From now on, put every key under ``prefix`` that is written without a lease of
+        its own (``lease=0``) on ``lease``; returns the function that ends this binding.
+
+        The longest bound prefix of a key wins; among equal prefixes, the latest binding.
+        Writes that name a lease keep it (a node's key stays on the node's lease).
+
+        Raises:
+            ValueError: ``prefix`` is empty or ``lease`` is not a lease id.
+        """
+        _check_prefix(prefix)
+        if lease <= 0:
+            raise ValueError(f"lease {lease} is not a lease id")
+        binding = _Binding(prefix, lease)
+        with self._bindings_lock:
+            self._bindings = (*self._bindings, binding)
+
+        def unbind() -> None:
+            with self._bindings_lock:
+                kept = list(self._bindings)
+                if binding in kept:
+                    # The latest equal binding goes: bindings of one prefix nest.
+                    del kept[len(kept) - 1 - kept[::-1].index(binding)]
+                self._bindings = tuple(kept)
+
+        return unbind
+
+    def _lease_of(self, key: bytes, lease: int) -> int:
+        """The lease a write of ``key`` goes on: its own, else the bound prefix's, else 0."""
+        if lease:
+            return lease
+        best: _Binding | None = None
+        for binding in self._bindings:
+            if key.startswith(binding.prefix) and (
+                best is None or len(binding.prefix) >= len(best.prefix)
+            ):
+                best = binding
+        return 0 if best is None else best.lease
 
     def _range(self, what: str, request: Any, key: bytes) -> Any:
         return self._unary(
@@ -68,8 +126,9 @@ class _KV(_Connection):
         return int(rsp.count), int(rsp.header.revision)
 
     def put(self, key: bytes, value: bytes, *, lease: int = 0) -> int:
-        """Write ``key`` (bound to ``lease`` if non-zero); return the header revision."""
-        request = etcdrpc.PutRequest(key=key, value=value, lease=lease)
+        """Write ``key`` (bound to ``lease`` if non-zero, else to its prefix's lease, see
+        :meth:`bind_prefix`); return the header revision."""
+        request = etcdrpc.PutRequest(key=key, value=value, lease=self._lease_of(key, lease))
         rsp = self._unary("put", lambda s, t, m: s.kv.Put(request, timeout=t, metadata=m), key=key)
         return int(rsp.header.revision)
 
@@ -79,7 +138,9 @@ class _KV(_Connection):
         One round trip: etcd returns the previous value, whose create revision the key
         keeps; with no previous value the key was created by this put, at its revision.
         """
-        request = etcdrpc.PutRequest(key=key, value=value, lease=lease, prev_kv=True)
+        request = etcdrpc.PutRequest(
+            key=key, value=value, lease=self._lease_of(key, lease), prev_kv=True
+        )
         rsp = self._unary("put", lambda s, t, m: s.kv.Put(request, timeout=t, metadata=m), key=key)
         if rsp.HasField("prev_kv") and rsp.prev_kv.key:
             return int(rsp.prev_kv.create_revision)
@@ -185,7 +246,9 @@ class _KV(_Connection):
         puts = [(key, value, lease), *also_put]
         _check_txn_ops([k for k, _, _ in puts], also_delete_prefixes)
         success = [
-            etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=k, value=v, lease=lease_id))
+            etcdrpc.RequestOp(
+                request_put=etcdrpc.PutRequest(key=k, value=v, lease=self._lease_of(k, lease_id))
+            )
             for k, v, lease_id in puts
         ] + [
             etcdrpc.RequestOp(
@@ -203,7 +266,8 @@ class _KV(_Connection):
         """Put each ``(key, value)`` only if the key is absent, in one transaction.
 
         Each put is a nested transaction of its own (etcd >= 3.3), so one key that exists
-        does not stop the others. No lease: the keys outlive the writer. ``budget``
+        does not stop the others. No lease of the writer's: the keys outlive it (they go
+        on their prefix's lease, if one is bound: :meth:`bind_prefix`). ``budget``
         bounds the retries (default: the client's ``retry_budget``); a retry after an
         unknown outcome is safe, the keys it wrote are simply not written again.
 
@@ -222,7 +286,13 @@ class _KV(_Connection):
                             version=0,
                         )
                     ],
-                    success=[etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=k, value=v))],
+                    success=[
+                        etcdrpc.RequestOp(
+                            request_put=etcdrpc.PutRequest(
+                                key=k, value=v, lease=self._lease_of(k, 0)
+                            )
+                        )
+                    ],
                 )
             )
             for k, v in items

@@ -1,7 +1,7 @@
 """What an etcd client tells an observer: its calls, failed attempts, keep-alives, answers.
 
 The client reports to one optional :class:`EtcdObserver` (the agent's Prometheus metrics
-implement it, ``agent/metrics.py``; the core imports no metrics library). Reports are
+implement it, ``agent/observe/metrics.py``; the core imports no metrics library). Reports are
 made on the thread that did the work (a caller's, the keep-alive thread, the watch
 thread), with no lock of the client held, after the RPC: an observer must be quick and
 must not block. One that raises is logged once and then ignored, never allowed to cost a
@@ -10,7 +10,8 @@ call, a watch or a lease (:class:`Observed`).
 Method names are fixed strings (a bounded set, fit for a metric label): the client's
 own method names for unary calls (``get``, ``get_prefix``, ``count_prefix``, ``put``,
 ``delete``, ``delete_prefix``, ``put_if_mod_revision``, ``delete_if_mod_revision``,
-``lease_grant``, ``lease_revoke``, ``lease_time_to_live``, ``authenticate``), and
+``lease_grant``, ``lease_refresh``, ``lease_revoke``, ``lease_time_to_live``,
+``authenticate``), and
 ``lease_keepalive`` and ``watch`` for the two streams.
 """
 

@@ -49,8 +49,8 @@ def _blind_waits() -> None:
     import importlib
 
     nothing: Any = lambda *_: None  # noqa: E731
-    setattr(importlib.import_module("agent.rounds"), "store_aborter", nothing)  # noqa: B010
-    setattr(importlib.import_module("agent.agent"), "formation_changed", nothing)  # noqa: B010
+    setattr(importlib.import_module("agent.loop.rounds"), "store_aborter", nothing)  # noqa: B010
+    setattr(importlib.import_module("agent.loop.agent"), "formation_changed", nothing)  # noqa: B010
 
 
 def _no_fencing() -> None:

@@ -1,0 +1,158 @@
+"""The agent's restart policy: a pure function from what it observed to what it does next.
+
+The loop in :mod:`agent.loop.agent` observes the local worker group (:class:`WorkerState`),
+counts the restarts it has left and asks the rendezvous whether the membership changed;
+:func:`next_step` turns those three facts into a :class:`Step`. Nothing here touches a
+process, a clock or the network, so every combination is tested by a table.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from agent.workers.state import WorkerState
+
+__all__ = [
+    "RestartBudget",
+    "Step",
+    "next_step",
+    "restart_cause",
+    "restart_refunded",
+    "stop_for_closed_run",
+]
+
+
+class Step(str, Enum):
+    """What the loop does after one observation."""
+
+    CONTINUE = "CONTINUE"
+    """Keep the workers running and wait for the next event."""
+
+    RESTART_COUNTED = "RESTART_COUNTED"
+    """Stop the group, re-rendezvous, start again; uses one of ``--max-restarts``."""
+
+    RESTART_UNCOUNTED = "RESTART_UNCOUNTED"
+    """Stop the group, re-rendezvous, start again for a membership change; free."""
+
+    SUCCEED = "SUCCEED"
+    """All local workers succeeded: exit barrier, close the run, exit 0."""
+
+    FAIL = "FAIL"
+    """Give up: stop the group, close the run, report the root cause, exit non-zero."""
+
+
+def next_step(group_state: WorkerState, restarts_left: int, membership_changed: bool) -> Step:
+    """Decide the loop's next step.
+
+    Args:
+        group_state: the observed state of the local worker group.
+        restarts_left: how many counted restarts remain (``--max-restarts`` minus used).
+        membership_changed: a node is waiting to join or a participant was lost.
+
+    Returns:
+        The step to take. A finished group (SUCCEEDED) ignores membership changes: its
+        work is done and the exit barrier lets the others finish. A failed group restarts
+        whether or not the membership changed, and that restart is counted, because a
+        worker failure happened either way.
+
+    Raises:
+        ValueError: ``restarts_left`` is negative, or ``group_state`` is INIT or STOPPED
+            (states in which no workers run, so there is nothing to observe).
+    """
+    if restarts_left < 0:
+        raise ValueError(f"restarts_left must be >= 0, got {restarts_left}")
+    if group_state in (WorkerState.INIT, WorkerState.STOPPED):
+        raise ValueError(
+            f"next_step: the worker group is {group_state.value}, so no workers run; "
+            "start the workers before asking the policy"
+        )
+    if group_state is WorkerState.SUCCEEDED:
+        return Step.SUCCEED
+    if group_state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+        return Step.RESTART_COUNTED if restarts_left > 0 else Step.FAIL
+    if group_state is WorkerState.UNKNOWN:
+        return Step.FAIL
+    return Step.RESTART_UNCOUNTED if membership_changed else Step.CONTINUE
+
+
+def restart_refunded(failed_group_size: int, next_group_size: int) -> bool:
+    """Whether a counted restart is given back once the next round has formed.
+
+    A node that dies (or is cut off) breaks its peers' collectives at once, so their
+    workers fail and the restart is counted, while the rendezvous learns of the loss only
+    when the node's lease ends, a TTL later. When the round after the failure has fewer
+    nodes than the round the workers failed in, a node went away and the failure is put
+    down to that membership change, which does not count (DESIGN §5). A genuine failure
+    that happens to coincide with a departure gets one free restart; torch counts both.
+
+    Args:
+        failed_group_size: nodes in the round whose workers failed.
+        next_group_size: nodes in the round that formed after the failure.
+
+    Raises:
+        ValueError: a size is below 1.
+    """
+    if failed_group_size < 1 or next_group_size < 1:
+        raise ValueError(f"group sizes must be >= 1, got {failed_group_size} and {next_group_size}")
+    return next_group_size < failed_group_size
+
+
+def stop_for_closed_run(group_state: WorkerState, closed: bool, close_mode: str) -> bool:
+    """Whether a run that another node (or an operator) closed ends this attempt now.
+
+    Closed as ``failed`` (a node gave up): running workers can only wait for peers that
+    are gone, up to a collective's timeout, so they are stopped. Closed as ``finished``
+    or ``drain`` (an operator's close): the attempt runs to its end and a success still
+    exits 0. Failed workers meet any closed run: no restart is left to make.
+    """
+    if not closed or group_state not in (WorkerState.HEALTHY, WorkerState.FAILED):
+        return False
+    return group_state is WorkerState.FAILED or close_mode == "failed"
+
+
+class RestartBudget:
+    """The counted restarts a node has left, and the one it may get back.
+
+    A restart is charged when a worker fails; when the next round turns out smaller, the
+    failure followed a node's departure and the charge is refunded (see
+    :func:`restart_refunded`).
+    """
+
+    def __init__(self, max_restarts: int) -> None:
+        self.max_restarts = max_restarts
+        self.left = max_restarts
+        self._charged_group_size: int | None = None
+
+    @property
+    def used(self) -> int:
+        return self.max_restarts - self.left
+
+    def charge(self, group_size: int) -> None:
+        """A worker of a group of ``group_size`` nodes failed: one restart is used."""
+        self.left -= 1
+        self._charged_group_size = group_size
+
+    def settle(self, next_group_size: int) -> bool:
+        """The next round formed with ``next_group_size`` nodes; True if refunded."""
+        charged, self._charged_group_size = self._charged_group_size, None
+        if charged is None or not restart_refunded(charged, next_group_size):
+            return False
+        self.left += 1
+        return True
+
+
+def restart_cause(step: Step, state: WorkerState) -> str:
+    """The ``cause`` label of a restart the policy asked for.
+
+    ``worker_failure``: a worker exited non-zero (a counted restart); ``unhealthy``: a
+    health check found the workers making no progress (counted too); ``membership_change``:
+    a node joined, left or lost its lease (not counted).
+
+    Raises:
+        ValueError: ``step`` is not a restart.
+    """
+    if step is Step.RESTART_UNCOUNTED:
+        return "membership_change"
+    if step is Step.RESTART_COUNTED:
+        return "unhealthy" if state is WorkerState.UNHEALTHY else "worker_failure"
+    raise ValueError(f"restart_cause: {step.value} is not a restart")

@@ -1,0 +1,395 @@
+"""Warm restarts: per local worker, an interpreter started ahead with torch imported.
+
+A restart's largest cost in a real job is the new interpreter importing torch (1-1.5 s
+of CPU here, per worker, all at once). The pool keeps, for each local rank, one process
+of :mod:`agent.workers.warm_process` that has already done that and waits; a worker is started
+by handing it the worker's command, environment, directory and standard streams, and
+the pool starts a replacement in the background.
+
+A warm process is used only when the result is the same as a cold ``python -u``:
+
+- the command is ``<python> -u <script|-m module|-c code> ...`` with the interpreter the
+  warm process runs (not ``--no-python``: another program);
+- the worker's environment equals the one the warm process was started with, except
+  torchrun's per-attempt variables (:data:`LATE_KEYS`), which nothing reads at import.
+  Anything else (a user variable read at start-up, ``OMP_NUM_THREADS`` read by OpenMP
+  when it loads, ``PYTHONHASHSEED``...) must match, or the worker starts cold.
+
+Otherwise the worker starts cold, and so it does when no process of its local rank
+exists. One still importing is waited for (it started before the worker was asked for,
+so it is ahead of a cold start on the same cores), up to 30 s or until the agent's loop
+is woken. Warm processes are started through :func:`coordinator.core.lifeline.spawn`
+in a session of their own, so they die with the agent and are stopped as workers are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from coordinator.core.lifeline import Spawned, spawn
+
+__all__ = ["LATE_KEYS", "WarmPool", "WarmTarget", "env_compatible", "warm_target"]
+
+log = logging.getLogger(__name__)
+
+_PROGRAM = str(Path(__file__).with_name("warm_process.py"))
+
+# torchrun's per-attempt variables (and ours): set for each attempt, read by the worker's
+# code (init_process_group, the error handler), never while torch is imported.
+LATE_KEYS = frozenset(
+    {
+        "RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_USE_AGENT_STORE",
+        "ETCD_ELASTIC_ROUND",
+    }
+)  # fmt: skip
+
+_HANDOVER_TIMEOUT = 5.0  # seconds for a ready process to confirm it took the request
+# How long a worker waits for its warm interpreter that is still importing. It started
+# before this worker was asked for, so it is ahead of any cold start on the same cores;
+# a cold start is the fallback only after this, or when the caller is interrupted.
+_READY_WAIT = 30.0
+# Interpreters in a row that may die while importing without a report (killed from
+# outside) before warm starts are turned off; a reported failure (an import error) turns
+# them off at once, since the next one would fail the same way.
+_MAX_DEATHS = 3
+
+
+@dataclass(frozen=True)
+class WarmTarget:
+    """What a cold ``python -u`` would run: ``mode`` is script, module or code."""
+
+    python: str
+    mode: str
+    target: str
+    args: tuple[str, ...]
+
+
+def warm_target(argv: Sequence[str]) -> WarmTarget | None:
+    """The warm form of a worker's command line, or None if only a cold start will do
+    (not ``<python> -u ...``: ``--no-python``, or an interpreter with other flags)."""
+    if len(argv) < 3 or argv[1] != "-u" or not Path(argv[0]).name.startswith("python"):
+        return None
+    python, first, rest = argv[0], argv[2], tuple(argv[3:])
+    if first in ("-m", "-c"):
+        if not rest:
+            return None
+        return WarmTarget(python, "module" if first == "-m" else "code", rest[0], rest[1:])
+    if first.startswith("-"):
+        return None  # another interpreter flag: a cold start keeps its meaning
+    return WarmTarget(python, "script", first, rest)
+
+
+def env_compatible(started_with: Mapping[str, str], wanted: Mapping[str, str]) -> bool:
+    """Whether a process started with ``started_with`` may become a worker whose
+    environment is ``wanted``: equal but for :data:`LATE_KEYS`."""
+    keys = (started_with.keys() | wanted.keys()) - LATE_KEYS
+    return all(started_with.get(k) == wanted.get(k) for k in keys)
+
+
+class _Warm:
+    """One started warm process and this end of its control socket."""
+
+    def __init__(self, spawned: Spawned, sock: socket.socket, python: str, env: dict[str, str]):
+        self.spawned = spawned
+        self.sock = sock
+        self.python = python
+        self.env = env
+        self.ready = threading.Event()
+        self.failed: str | None = None
+        self.reported = False  # the program said why it failed (deterministic: an import)
+
+    def wait_ready(self) -> None:
+        """Block until the process reports (run on the pool's starter thread)."""
+        try:
+            self.spawned.confirm()
+            report = self.sock.recv(4096)
+        except OSError as exc:
+            report = f"failed {exc}".encode()
+        text = report.decode(errors="replace")
+        if text != "ready":
+            self.reported = text.startswith("failed ")
+            self.failed = text.removeprefix("failed ").strip() or "it exited while starting"
+        self.ready.set()
+
+    def discard(self) -> None:
+        """Stop and reap an unused process."""
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.spawned.process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.spawned.process.wait(timeout=10)
+
+
+class WarmPool:
+    """Per local rank, up to ``depth`` warm processes, refilled in the background.
+
+    Two by default: restarts come in bursts (a node lost, then the same node back a few
+    seconds later: two restarts), and a process taken now is replaced by one that needs
+    a few seconds to import; the second one covers that window.
+    """
+
+    def __init__(
+        self, modules: Sequence[str] = ("torch",), *, enabled: bool = True, depth: int = 2
+    ) -> None:
+        self._modules = ",".join(dict.fromkeys(m for m in modules if m))
+        self._enabled = enabled and depth > 0
+        self._depth = depth
+        self._lock = threading.Lock()
+        self._slots: dict[int, list[_Warm]] = {}  # oldest first
+        self._templates: dict[int, tuple[WarmTarget, dict[str, str]]] = {}
+        self._top_up_lock = threading.Lock()
+        self._closed = False
+        self._disabled_why: str | None = None
+        self._deaths = 0  # interpreters in a row that died importing without a report
+        self._changed = threading.Condition(self._lock)  # a process became ready, or a poke
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled and self._disabled_why is None
+
+    def ready_count(self, local_rank: int) -> int:
+        """How many processes of ``local_rank`` are ready now."""
+        with self._lock:
+            slot = self._slots.get(local_rank, [])
+            return sum(1 for w in slot if w.ready.is_set() and w.failed is None)
+
+    def refill(
+        self,
+        templates: Mapping[int, tuple[Sequence[str], Mapping[str, str]]],
+        defer: float = 0.0,
+    ) -> None:
+        """Keep each local rank topped up to ``depth`` processes fit for a worker like
+        ``templates[local_rank]`` = (argv, env), discarding those that no longer fit.
+        Returns at once. One process per local rank imports at a time (the next starts
+        when it is ready), so a refill never takes more of the cores than a cold start of
+        the same workers would.
+
+        ``defer``: seconds to wait before the imports of local ranks that still have a
+        ready process (the workers just started from the pool load their checkpoint and
+        take their first step meanwhile, without an import on the same cores); a rank
+        left with none tops up at once, so a second failure soon after still finds one
+        importing."""
+        if not self.enabled:
+            return
+        later: list[int] = []
+        for local_rank, (argv, env) in templates.items():
+            target = warm_target(argv)
+            if target is None:
+                continue
+            with self._lock:
+                if self._closed:
+                    return
+                self._templates[local_rank] = (target, dict(env))
+                slot = self._slots.setdefault(local_rank, [])
+                stale = [w for w in slot if not _fits(w, target, env)]
+                slot[:] = [w for w in slot if w not in stale]
+            for warm in stale:
+                warm.discard()
+            if defer > 0 and self.ready_count(local_rank) > 0:
+                later.append(local_rank)
+            else:
+                self._top_up(local_rank)
+        if later:
+            timer = threading.Timer(defer, self._top_up_all, args=(later,))
+            timer.daemon = True
+            timer.start()
+
+    def _top_up_all(self, local_ranks: Sequence[int]) -> None:
+        for local_rank in local_ranks:
+            self._top_up(local_rank)
+
+    def _top_up(self, local_rank: int) -> None:
+        with self._top_up_lock:  # check and start as one step: one import at a time
+            with self._lock:
+                template = self._templates.get(local_rank)
+                slot = self._slots.get(local_rank, [])
+                importing = any(not w.ready.is_set() for w in slot)
+                if self._closed or template is None or importing or len(slot) >= self._depth:
+                    return
+            target, env = template
+            self._start(local_rank, target.python, env)
+
+    def _start(self, local_rank: int, python: str, env: dict[str, str]) -> None:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            spawned = spawn(
+                [python, "-u", _PROGRAM, str(theirs.fileno()), self._modules],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+                pass_fds=(theirs.fileno(),),
+            )
+        except OSError as exc:
+            mine.close()
+            log.warning("warm start: cannot start a warm interpreter (%s); starting cold", exc)
+            return
+        finally:
+            theirs.close()
+        warm = _Warm(spawned, mine, python, env)
+        with self._lock:
+            if self._closed:
+                warm.discard()
+                return
+            self._slots.setdefault(local_rank, []).append(warm)
+        threading.Thread(
+            target=self._await, args=(local_rank, warm), name=f"warm start {local_rank}",
+            daemon=True,
+        ).start()  # fmt: skip
+
+    def wait_ready(self, timeout: float, interrupted: threading.Event | None = None) -> bool:
+        """Block until every local rank refilled has a ready process (or the pool is
+        off), at most ``timeout`` seconds or until ``interrupted`` is set (then
+        :meth:`poke`). True if every one has."""
+
+        def full() -> bool:
+            if not self.enabled or self._closed:
+                return True
+            return all(
+                any(w.ready.is_set() for w in self._slots.get(rank, [])) for rank in self._templates
+            )
+
+        with self._changed:
+            self._changed.wait_for(
+                lambda: full() or (interrupted is not None and interrupted.is_set()),
+                timeout=timeout,
+            )
+            return full()
+
+    def poke(self) -> None:
+        """Wake a :meth:`take` waiting for a process to be ready, to check its
+        ``interrupted`` event again (thread-safe)."""
+        with self._changed:
+            self._changed.notify_all()
+
+    def _await(self, local_rank: int, warm: _Warm) -> None:
+        warm.wait_ready()
+        self.poke()
+        if warm.failed is None:
+            with self._lock:
+                self._deaths = 0
+            self._top_up(local_rank)  # the next one imports now
+            return
+        if not warm.reported and self._died_again(local_rank, warm):
+            self._top_up(local_rank)  # killed from outside (OOM killer, ...): try again
+            return
+        with self._lock:
+            first = self._disabled_why is None
+            self._disabled_why = warm.failed
+            stopped = [w for slot in self._slots.values() for w in slot]
+            self._slots = {}
+        if first:
+            log.info("warm start: off for this agent, workers start cold (%s)", warm.failed)
+        for other in {id(w): w for w in [warm, *stopped]}.values():
+            other.discard()
+
+    def _died_again(self, local_rank: int, warm: _Warm) -> bool:
+        """An interpreter died while importing without saying why: drop it, and say
+        whether to start another (fewer than ``_MAX_DEATHS`` such deaths in a row)."""
+        with self._lock:
+            self._deaths += 1
+            again = self._deaths < _MAX_DEATHS and not self._closed
+            if again:
+                slot = self._slots.get(local_rank, [])
+                slot[:] = [w for w in slot if w is not warm]
+        if again:
+            warm.discard()
+            log.warning(
+                "warm start: local rank %d: a warm interpreter died while importing (%s, "
+                "exit code %s); starting another", local_rank, warm.failed,
+                warm.spawned.process.returncode,
+            )  # fmt: skip
+        return again
+
+    def take(
+        self, local_rank: int, argv: Sequence[str], env: Mapping[str, str], cwd: str,
+        streams: tuple[int, int, int], interrupted: threading.Event | None = None,
+    ) -> Spawned | None:  # fmt: skip
+        """Start the worker ``argv``/``env``/``cwd`` on ``streams`` (stdin, stdout,
+        stderr descriptors, which the caller still closes) from a process of
+        ``local_rank``; None if there is none or none fits (start it cold).
+
+        When every fitting process is still importing, the first to be ready is used
+        (it is ahead of a cold start), waiting up to 30 s or until ``interrupted`` is set
+        (then :meth:`poke`).
+        """
+        target = warm_target(argv)
+        if target is None:
+            return None
+        with self._changed:
+
+            def ready() -> _Warm | None:
+                fitting = [w for w in self._slots.get(local_rank, []) if _fits(w, target, env)]
+                return next((w for w in fitting if w.ready.is_set() and w.failed is None), None)
+
+            def fitting() -> bool:
+                return any(_fits(w, target, env) for w in self._slots.get(local_rank, []))
+
+            if not fitting():
+                return None
+            self._changed.wait_for(
+                lambda: (
+                    ready() is not None
+                    or not fitting()
+                    or (interrupted is not None and interrupted.is_set())
+                ),
+                timeout=_READY_WAIT,
+            )
+            warm = ready()
+            if warm is None:
+                return None
+            self._slots[local_rank].remove(warm)
+        request = {
+            "mode": target.mode,
+            "target": target.target,
+            "args": list(target.args),
+            "env": dict(env),
+            "cwd": cwd,
+            "argv": list(argv),
+        }
+        try:
+            socket.send_fds(warm.sock, [json.dumps(request).encode()], list(streams))
+            warm.sock.settimeout(_HANDOVER_TIMEOUT)
+            answer = warm.sock.recv(64)
+        except OSError as exc:
+            answer = f"error {exc}".encode()
+        finally:
+            with contextlib.suppress(OSError):
+                warm.sock.close()
+        if answer != b"started":
+            log.warning(
+                "warm start: local rank %d: the warm interpreter did not take the worker "
+                "(%s); starting it cold",
+                local_rank,
+                answer.decode(errors="replace") or "it exited",
+            )
+            warm.discard()
+            return None
+        return Spawned(warm.spawned.process, tuple(argv))
+
+    def close(self) -> None:
+        """Stop every unused warm process. Idempotent."""
+        with self._lock:
+            self._closed = True
+            unused = [w for slot in self._slots.values() for w in slot]
+            self._slots = {}
+        for warm in unused:
+            warm.discard()
+
+
+def _fits(warm: _Warm, target: WarmTarget, env: Mapping[str, str]) -> bool:
+    return warm.failed is None and warm.python == target.python and env_compatible(warm.env, env)
