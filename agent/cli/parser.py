@@ -191,8 +191,10 @@ def build_parser(*, environ: Mapping[str, str] | None = None) -> argparse.Argume
     ) -> None:
         dest = _dest(names)
         variable = f"PET_{dest.upper()}"
-        value = env.get(variable, default)
-        if variable in env:
+        # An empty variable is an unset one (a scheduler's template with no value).
+        given = env.get(variable, "").strip() != ""
+        value = env[variable] if given else default
+        if given:
             parser.env_sources[dest] = variable
         shown = f" (default: {default or 'none'})" if show_default and default is not None else ""
         group.add_argument(
@@ -202,7 +204,7 @@ def build_parser(*, environ: Mapping[str, str] | None = None) -> argparse.Argume
     def flag(group: argparse._ArgumentGroup, *names: str, help: str) -> None:
         dest = _dest(names)
         variable = f"PET_{dest.upper()}"
-        if variable in env:
+        if env.get(variable, "").strip():
             parser.env_sources[dest] = variable
         parser.switches[dest] = next(n for n in names if n.startswith("--"))
         default: object = env.get(variable, False)  # the text is read after parsing

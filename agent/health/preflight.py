@@ -2,13 +2,15 @@
 
 After a round formed and its ranks and master are agreed, before any worker starts,
 every node runs its check (:mod:`agent.health.check_worker`, a subprocess started ahead
-so that torch is imported by the time the round forms), writes its result to the round's
-store, reads everyone's (bounded by ``--health-check-timeout`` and by membership, as the
-rank exchange is) and judges them with :func:`agent.health.verdict.judge`. Each node logs one
-line per node. When a node failed, the nodes quarantine it in the rendezvous state for
-``--quarantine-seconds`` (:mod:`coordinator.core.quarantine`) and re-form without it:
-:class:`HealthCheckFailed` is a membership change, not a counted restart (nobody's
-worker failed).
+so that torch is imported by the time the round forms) and exchanges its result
+(:mod:`agent.health.exchange`, bounded by ``--health-check-timeout`` and by membership,
+as the rank exchange is): group rank 0 gathers the results, judges them with
+:func:`agent.health.verdict.judge` and publishes the verdict, which every node reads.
+Group rank 0 logs one line per node; the others log their own and each failed node's.
+When a node failed, group rank 0 quarantines it in the rendezvous state for
+``--quarantine-seconds`` (:mod:`coordinator.core.quarantine`; one write) and every node
+re-forms without it: :class:`HealthCheckFailed` is a membership change, not a counted
+restart (nobody's worker failed).
 """
 
 from __future__ import annotations
@@ -23,19 +25,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from agent.errors import MembershipChanged
-from agent.health.verdict import (
-    NodeResult,
-    Thresholds,
-    Verdict,
-    decode_result,
-    encode_result,
-    judge,
-)
+from agent.health.exchange import exchange_results
+from agent.health.verdict import NodeResult, Thresholds, Verdict, decode_result
 from agent.store import Store
 from coordinator.core.lifeline import Spawned, spawn
 from coordinator.core.state import Quarantine
@@ -44,7 +39,6 @@ __all__ = ["CheckProcess", "HealthCheckFailed", "Preflight"]
 
 log = logging.getLogger(__name__)
 
-_RESULT = "etcd_elastic/health/"
 # Results come within the check's timeout of each other (the nodes start together); this
 # much more covers the store round trips.
 _EXCHANGE_GRACE_S = 10.0
@@ -196,6 +190,8 @@ class Preflight:
         self._lock = threading.Lock()
         self.last: Verdict | None = None
         """The verdict of the last check this node completed (for a timeline)."""
+        self.last_judged = False
+        """Whether this node judged that check (group rank 0: it holds every result)."""
         self.last_took_s = 0.0
         """Seconds from the start of that check to its verdict on this node."""
         self.last_import_wait_s = 0.0
@@ -269,17 +265,14 @@ class Preflight:
         self.last_import_wait_s = proc.import_wait_s
         mine = _result(data, why, group_rank, self._node_id, self._addr)
         self.prepare()  # the next round's process imports while this round goes on
-        store.set(f"{_RESULT}{group_rank}", encode_result(mine))
-        results = self._collect(store, world)
-        ids = list(members) or [results[r].node_id if r in results else "?" for r in range(world)]
-        addrs = {r: res.addr for r, res in results.items()}
-        verdict = judge(
-            [(node, addrs.get(r, "")) for r, node in enumerate(ids)], results, self._thresholds,
-            missing=f"no result within {self._exchange_s:g} s",
-        )  # fmt: skip
+        verdict, judged = exchange_results(
+            store, mine, world, members, self._thresholds, self._exchange_s
+        )
         self.last, self.last_took_s = verdict, time.monotonic() - started
+        self.last_judged = judged
         for node in verdict.nodes:
-            (log.info if node.passed else log.warning)("pre-flight check: %s", node.line())
+            if judged or not node.passed or node.group_rank == group_rank:
+                (log.info if node.passed else log.warning)("pre-flight check: %s", node.line())
         failed = verdict.failed
         if not failed:
             log.info(
@@ -288,26 +281,12 @@ class Preflight:
                 round_id, world, self.last_took_s, self.last_import_wait_s,
             )  # fmt: skip
             return verdict
-        self._leave_out(verdict, round_id)
+        self._leave_out(verdict, round_id, write=judged)
         names = ", ".join(f"node {n.group_rank} {n.node_id} ({n.reason})" for n in failed)
         raise HealthCheckFailed(f"the pre-flight check of round {round_id} left out {names}")
 
-    def _collect(self, store: Store, world: int) -> dict[int, NodeResult]:
-        keys = [f"{_RESULT}{r}" for r in range(world)]
-        # A node's check ends within the timeout; a missing result after that is a failure.
-        try:
-            store.wait(keys, timedelta(seconds=self._exchange_s))
-        except Exception as exc:  # timed out (a node sent nothing), or the wait was ended
-            log.debug("pre-flight check: not every result came: %s", exc)
-        present = [k for k in keys if store.check([k])]
-        raws = store.multi_get(present) if present else []
-        results = {}
-        for key, raw in zip(present, raws, strict=True):
-            result = decode_result(key, raw)
-            results[int(key.rsplit("/", 1)[1])] = result
-        return results
-
-    def _leave_out(self, verdict: Verdict, round_id: int) -> None:
+    def _leave_out(self, verdict: Verdict, round_id: int, *, write: bool) -> None:
+        """Say who is left out; the judge (``write``) also quarantines them."""
         failed = verdict.failed
         until = int((self._wall() + self.quarantine_s) * 1000)
         entries = [Quarantine(n.node_id, n.reason, until, n.addr) for n in failed]
@@ -324,6 +303,8 @@ class Preflight:
                 "other %d re-form without them (not a counted restart)",
                 round_id, len(failed), self.quarantine_s, left,
             )  # fmt: skip
+        if not write:
+            return  # group rank 0 writes the quarantine: one write, not one per node
         if self._quarantine is None:
             log.warning("the rendezvous backend cannot quarantine nodes; they are only named")
             return

@@ -222,6 +222,16 @@ class Verdict:
     def failed(self) -> tuple[NodeVerdict, ...]:
         return tuple(n for n in self.nodes if not n.passed)
 
+    def summary(self) -> str:
+        """One line for the run's timeline: how many passed, who failed and why."""
+        failed = self.failed
+        if not failed:
+            return f"{len(self.nodes)} node(s) passed"
+        names = "; ".join(f"{n.node_id} ({n.reason})" for n in failed)
+        return (
+            f"{len(self.nodes) - len(failed)} of {len(self.nodes)} node(s) passed; failed: {names}"
+        )
+
     def events(self) -> list[dict[str, Any]]:
         """One record per node for a timeline (JSON-ready)."""
         out = []

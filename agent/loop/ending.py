@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import secrets
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 
@@ -16,6 +17,7 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler
 from agent.store import Store
 from agent.workers.errorfile import Failure, format_report, read_failure, root_cause
 from agent.workers.group import WorkerGroup
+from coordinator.torch_adapter.store import EtcdStore
 from coordinator.torch_adapter.surface import RendezvousSurface
 
 __all__ = [
@@ -34,11 +36,31 @@ log = logging.getLogger(__name__)
 EXIT_BARRIER = "etcd_elastic/exit_barrier/"
 """Prefix of the exit barrier's keys in the round's store."""
 _ALL_ARRIVED = "1"  # the value of its ``done`` key when every node arrived
+_ARRIVED = f"{EXIT_BARRIER}arrived/"  # one key per node that arrived (our store)
+
+
+def _arrive(store: Store, group_world_size: int, done: str) -> None:
+    """Count this node in; whoever sees that every node arrived sets ``done``.
+
+    On our store each node puts a key of its own and counts the keys (one count-only
+    read): no compare-and-swap on one counter, whose retries cost O(N²) requests when N
+    nodes arrive at once; a retried put is the same key, so it never counts twice. The
+    node whose put came last sees them all (maybe others too: ``done`` is created once,
+    the others' writes find it). On torch's stores, ``add`` is one request: a counter.
+    """
+    if isinstance(store, EtcdStore):
+        store.set(f"{_ARRIVED}{secrets.token_hex(8)}", "1")
+        if store.count_keys(_ARRIVED) >= group_world_size:
+            store.compare_set(done, "", _ALL_ARRIVED)
+    elif store.add(f"{EXIT_BARRIER}count", 1) >= group_world_size:
+        store.set(done, _ALL_ARRIVED)
 
 
 def exit_barrier(store: Store, group_world_size: int, timeout: float, ctx: str) -> bool:
     """Wait (bounded) until every node of the round reached success, like torch's
-    ``store_util.barrier``: a counter, and a flag set by the last to arrive.
+    ``store_util.barrier``: each node counts itself in, and the first to see them all
+    sets a flag the others wait for (one key: one watch event each). O(1) requests per
+    node, O(N) in all.
 
     Returns:
         Whether every node arrived within ``timeout`` seconds; a store error or the
@@ -46,9 +68,7 @@ def exit_barrier(store: Store, group_world_size: int, timeout: float, ctx: str) 
     """
     done = f"{EXIT_BARRIER}done"
     try:
-        arrived = store.add(f"{EXIT_BARRIER}count", 1)
-        if arrived >= group_world_size:
-            store.set(done, _ALL_ARRIVED)
+        _arrive(store, group_world_size, done)
         store.wait([done], timedelta(seconds=timeout))
         value = store.get(done)
     except Exception as exc:

@@ -20,9 +20,6 @@ from agent.workers.logs import LogSpec, console_prefix, plan_attempt
 
 __all__ = ["Master", "build_launches", "resolve_master", "warm_templates"]
 
-# Set by the agent of group rank 0 when it hosts the workers' bootstrap store.
-_AGENT_STORE = "etcd_elastic/agent_store"
-
 
 @dataclass(frozen=True)
 class Master:
@@ -42,9 +39,9 @@ def resolve_master(
     itself (``handler_store``: torch's c10d handler with its agent store), its bootstrap
     info, with ``--master-addr/--master-port`` first. Otherwise the agent of group rank 0
     starts the workers' bootstrap store (:mod:`agent.workers.bootstrap`; on ``--master-port`` if
-    given) and publishes where through the round's store. A handler's suggested port
-    (ours: one rank 0's node found free when it joined) is not used: nothing listens on
-    it until a worker binds it, and it can be taken in between.
+    given) and publishes where through the round's store (one key, one read per agent). A
+    handler's suggested port (ours: one rank 0's node found free when it joined) is not
+    used: nothing listens on it until a worker binds it, and it can be taken in between.
 
     Raises:
         BootstrapStoreError: group rank 0 cannot listen on ``--master-port``.
@@ -64,11 +61,11 @@ def resolve_master(
         addr = config.master_addr or config.local_addr or socket.getfqdn()
         server = host_bootstrap_store(addr, config.master_port)
         port = server.port
-        store.set(_AGENT_STORE, "1")
-    addr, port = publish_master(store, group_rank, config.local_addr, config.master_addr, port)
-    # Agents that host no store (older versions) publish none: their workers host it.
-    agent_store = store.check([_AGENT_STORE]) if group_rank != 0 else True
-    return Master(addr, port, agent_store=bool(agent_store), server=server)
+    addr, port, agent_store = publish_master(
+        store, group_rank, config.local_addr, config.master_addr, port,
+        agent_store=group_rank == 0,
+    )  # fmt: skip
+    return Master(addr, port, agent_store=agent_store, server=server)
 
 
 def build_launches(

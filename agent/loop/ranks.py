@@ -1,10 +1,16 @@
-"""Worker rank assignment and the master address, agreed through the round's store.
+"""Worker rank assignment and the master address of a round.
 
-Every agent writes what it runs (role, group rank, local world size); group rank 0 reads
-them all, computes every agent's ranks with the pure :func:`assign` and writes each
-agent its own answer; every agent then reads its own. Nodes may run different numbers
-of workers and different roles. Values are JSON text: nothing read from the store is
-ever executed.
+Ranks are computed by the pure :func:`assign` from what every agent of the round runs
+(role, group rank, local world size). With our handler the round's state carries that
+already (the coordinator copies it from the node records when it completes the round),
+so every agent computes every rank itself: no store write, no store read. Otherwise
+(torch's handlers, or a round whose records lack it) the agents agree through the
+round's store: each writes what it runs, group rank 0 gathers them (one range read on our
+store) and writes each agent its answer, and each agent reads its own. Nodes may run
+different numbers of workers and different roles. Values are JSON text: nothing read
+from the store is ever executed.
+
+The master address is one key that group rank 0 writes and the others read.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from agent.store import Store
+from agent.store import Store, gather_all
 from agent.workers.launch import WorkerRanks
 from coordinator.core.ports import free_port
 
@@ -29,8 +35,7 @@ __all__ = [
 # Our own key names: the round's store may also hold torch's keys (MASTER_ADDR, ...).
 _ROLE_INFO = "etcd_elastic/role_info/"
 _ASSIGNED = "etcd_elastic/assigned_ranks/"
-_MASTER_ADDR = "etcd_elastic/master_addr"
-_MASTER_PORT = "etcd_elastic/master_port"
+_MASTER = "etcd_elastic/master"
 
 
 @dataclass(frozen=True)
@@ -157,22 +162,60 @@ def _decode_assignment(key: str, raw: bytes) -> Assignment:
     return Assignment(*(int(str(value[name])) for name in _ASSIGNMENT_FIELDS))
 
 
-def exchange_ranks(store: Store, info: RoleInfo, group_world_size: int) -> Assignment:
+def exchange_ranks(
+    store: Store,
+    info: RoleInfo,
+    group_world_size: int,
+    workers: Sequence[tuple[str, int]] = (),
+) -> Assignment:
     """Agree on ranks with the other agents of this round; returns this agent's share.
 
-    Blocks in ``store.get`` (bounded by the store's timeout) until group rank 0 wrote it.
+    Args:
+        workers: (role, local world size) of every agent by group rank, as the round's
+            state holds them (our handler); empty: unknown, exchange through ``store``.
+
+    Blocks in the store (bounded by its timeout) until group rank 0 wrote this agent's
+    answer; with ``workers`` it touches the store not at all.
 
     Raises:
-        ValueError: a value in the store is not what an agent writes (names the key).
+        ValueError: a value in the store is not what an agent writes (names the key), or
+            ``workers`` says this agent runs something else than it does.
     """
+    if len(workers) == group_world_size:
+        return _from_state(info, workers)
     store.set(f"{_ROLE_INFO}{info.group_rank}", _encode_info(info))
     if info.group_rank == 0:
-        keys = [f"{_ROLE_INFO}{rank}" for rank in range(group_world_size)]
-        infos = [_decode_info(k, raw) for k, raw in zip(keys, store.multi_get(keys), strict=True)]
+        raws = gather_all(store, _ROLE_INFO, group_world_size)
+        infos = [_decode_info(f"{_ROLE_INFO}{r}", raw) for r, raw in enumerate(raws)]
         for group_rank, assignment in assign(infos).items():
             store.set(f"{_ASSIGNED}{group_rank}", _encode_assignment(assignment))
     key = f"{_ASSIGNED}{info.group_rank}"
     return _decode_assignment(key, store.get(key))
+
+
+def _from_state(info: RoleInfo, workers: Sequence[tuple[str, int]]) -> Assignment:
+    """This agent's share, computed from what the round's state says every agent runs."""
+    said = tuple(workers[info.group_rank])
+    if said != (info.role, info.local_world_size):
+        raise ValueError(
+            f"the round's state says group rank {info.group_rank} runs {said[1]} worker(s) "
+            f"of role {said[0]!r}, but this agent runs {info.local_world_size} of role "
+            f"{info.role!r}; every agent of a run must report what it runs to its handler"
+        )
+    infos = [RoleInfo(role, rank, size) for rank, (role, size) in enumerate(workers)]
+    return assign(infos)[info.group_rank]
+
+
+def _encode_master(addr: str, port: int, agent_store: bool) -> str:
+    return json.dumps({"addr": addr, "port": port, "agent_store": agent_store})
+
+
+def _decode_master(raw: bytes) -> tuple[str, int, bool]:
+    value = _decode_object(_MASTER, raw, {"addr": str, "port": int})
+    port = int(str(value["port"]))
+    if not 0 < port < 65536:
+        raise ValueError(f"store key {_MASTER!r}: not a TCP port: {value['port']!r}")
+    return str(value["addr"]), port, value.get("agent_store") is True
 
 
 def publish_master(
@@ -181,26 +224,26 @@ def publish_master(
     local_addr: str | None,
     master_addr: str | None = None,
     master_port: int | None = None,
-) -> tuple[str, int]:
-    """Agree on MASTER_ADDR / MASTER_PORT for this round's workers.
+    *,
+    agent_store: bool = False,
+) -> tuple[str, int, bool]:
+    """Agree on MASTER_ADDR / MASTER_PORT for this round's workers: one store key.
 
     Group rank 0 publishes ``master_addr`` (default: ``local_addr``, else this host's
-    fully qualified name) and ``master_port`` (default: a port free on that address
-    right now); every agent, rank 0 included, reads the published pair.
+    fully qualified name), ``master_port`` (default: a port free on that address right
+    now) and whether it hosts the workers' bootstrap store (``agent_store``); every other
+    agent reads them (one read, blocking up to the store timeout until it is written).
 
     Returns:
-        ``(master_addr, master_port)`` as published by group rank 0.
+        ``(master_addr, master_port, agent_store)`` as published by group rank 0.
 
     Raises:
-        ValueError: the published port is not a number in 1..65535.
+        ValueError: the published value is not what an agent writes, or its port is not
+            a number in 1..65535.
     """
     if group_rank == 0:
         addr = master_addr or local_addr or socket.getfqdn()
         port = master_port if master_port is not None else free_port(addr, fallback_any=True)
-        store.set(_MASTER_ADDR, addr)
-        store.set(_MASTER_PORT, str(port))
-    addr_read = store.get(_MASTER_ADDR).decode("utf-8")
-    port_text = store.get(_MASTER_PORT).decode("utf-8")
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ValueError(f"store key {_MASTER_PORT!r}: not a TCP port: {port_text!r}")
-    return addr_read, int(port_text)
+        store.set(_MASTER, _encode_master(addr, port, agent_store))
+        return addr, port, agent_store
+    return _decode_master(store.get(_MASTER))

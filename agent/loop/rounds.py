@@ -121,7 +121,10 @@ def form_round(
     phase.mark(EXCHANGE, store_aborter(store))
     try:
         assignment = exchange_ranks(
-            store, RoleInfo(config.role, info.rank, config.nproc_per_node), info.world_size
+            store,
+            RoleInfo(config.role, info.rank, config.nproc_per_node),
+            info.world_size,
+            rdzv.last_workers,
         )
         master = resolve_master(
             config, info, store, info.rank, handler_store=bool(handler.use_agent_store)

@@ -66,10 +66,8 @@ class RoundRecorder:
             return
         self._verdict = verdict
         round_id = self._rdzv.last_round
-        node_id = self._rdzv.node_id
-        for result in verdict.nodes:
-            if result.node_id == node_id:
-                record_health(self._rdzv, node_id, round_id, result.line())
+        if preflight is not None and preflight.last_judged:
+            record_health(self._rdzv, round_id, verdict.summary())
         self._writer.record(
             "health_check",
             node=self.node,

@@ -68,6 +68,8 @@ def quarantine_recorded(
     return quarantine
 
 
-def record_health(rdzv: RendezvousSurface, node_id: str, round: int, line: str) -> None:
-    """This node's result in a round's pre-flight check, on the run's timeline."""
-    rdzv.record_event(Event("health_checked", node_id=node_id, round=round, summary=line))
+def record_health(rdzv: RendezvousSurface, round: int, summary: str) -> None:
+    """A round's pre-flight check on the run's timeline: one event per round, recorded by
+    the node that judged it (not one per node: N writes a formation at scale); each failed
+    node has its own ``fault`` event (:func:`quarantine_recorded`)."""
+    rdzv.record_event(Event("health_checked", round=round, summary=summary))

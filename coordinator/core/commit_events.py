@@ -5,11 +5,24 @@ departures from its commits (the :class:`~coordinator.core.events.Event` values;
 Pure: :func:`events_of_commit` maps one commit to its events, :class:`EventRecorder`
 keeps the coordinator's bookkeeping between commits; writing is
 :mod:`coordinator.core.event_log`.
+
+Joins are held until the coordinator's next commit. The members of a round it completes
+get no ``joined`` event of their own: the ``round_completed`` event carries each member's
+key generation and when the coordinator saw the key, and readers derive the joins from
+it (:func:`coordinator.core.events.expand_joins`). So a formation of N nodes writes one
+event (the round), not N + 1: with the N node keys and the pre-flight check's N results,
+a formation stays within 2N + O(1) writes (DESIGN §10). A node that joins but is not a
+member of a round completed by that commit (it goes to the wait or spare list, or left)
+gets its own ``joined`` event at that commit.
+
+A new coordinator (after a failover) sees every live node as new: its rounds list them
+again with the same generations, and readers show each join once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 
 from coordinator.core.events import Cause, Event
@@ -105,36 +118,43 @@ def events_of_commit(
 
 
 class EventRecorder:
-    """The coordinator's part of the timeline: joins from its node table, rounds and
-    departures from its commits. Pure bookkeeping; the events go to a sink (the
-    background :class:`~coordinator.core.event_log.EventLog`).
+    """The coordinator's events, for a sink (the background
+    :class:`~coordinator.core.event_log.EventLog`).
+
+    Args:
+        written_by: the coordinator's node id.
+        wall_ms: wall-clock milliseconds (when a key was seen: informational).
 
     Not thread-safe: called from the coordinator's thread only.
     """
 
-    def __init__(self, written_by: str) -> None:
+    def __init__(
+        self, written_by: str, wall_ms: Callable[[], int] = lambda: int(time.time() * 1000)
+    ) -> None:
         self._written_by = written_by
+        self._wall_ms = wall_ms
         self._generations: dict[str, int] = {}
+        self._joins: dict[str, Event] = {}  # seen, not yet written or folded into a round
         self.pending: list[Event] = []
 
     def appeared(self, state: RdzvState, nodes: Mapping[str, NodeInfo]) -> None:
         """Note node keys that appeared (``joined``), as the node table reports them
-        (:meth:`~coordinator.core.node_table.NodeTable.take_appeared`): O(new keys), so
-        a formation of N nodes records its joins in O(N). A key already noted (the
-        table re-read after a resync) is not noted twice."""
+        (:meth:`~coordinator.core.node_table.NodeTable.take_appeared`): O(new keys). A key
+        already noted (the table re-read after a resync) is not noted twice. Held until
+        the next commit (see the module docstring)."""
+        now = self._wall_ms()
         for node_id, info in nodes.items():
             if self._generations.get(node_id) == info.create_revision:
                 continue
             self._generations[node_id] = info.create_revision
-            self.pending.append(
-                Event(
-                    "joined",
-                    node_id=node_id,
-                    round=state.round,
-                    revision=info.create_revision,
-                    incarnation=info.incarnation,
-                    written_by=self._written_by,
-                )
+            self._joins[node_id] = Event(
+                "joined",
+                node_id=node_id,
+                round=state.round,
+                revision=info.create_revision,
+                incarnation=info.incarnation,
+                written_by=self._written_by,
+                unix_ms=now,
             )
 
     def committed(
@@ -145,14 +165,30 @@ class EventRecorder:
         revision: int,
         live: Collection[str] | None = None,
     ) -> None:
-        """Note what a successful commit did (rounds, departures); ``live``: see
-        :func:`events_of_commit`."""
-        for event in events_of_commit(before, after, actions, revision, self._generations, live):
-            self.pending.append(replace(event, written_by=self._written_by))
+        """Note what a successful commit did (rounds, departures; ``live``: see
+        :func:`~coordinator.core.events.events_of_commit`), and the joins held so far:
+        folded into a round it completed, else written with it."""
+        events = events_of_commit(before, after, actions, revision, self._generations, live)
+        out = []
+        for event in events:
+            if event.kind == "round_completed":
+                event = self._fold_joins(event)
+            out.append(replace(event, written_by=self._written_by))
             if event.kind == "departed":
                 self._generations.pop(event.node_id, None)
+        self.pending.extend(self._joins.values())
+        self._joins.clear()
+        self.pending.extend(out)
+
+    def _fold_joins(self, event: Event) -> Event:
+        joins = [self._joins.pop(node, None) for node in event.members]
+        return replace(
+            event,
+            member_generations=tuple(self._generations.get(n, 0) for n in event.members),
+            member_joined_ms=tuple(0 if j is None else j.unix_ms for j in joins),
+        )
 
     def take(self) -> list[Event]:
-        """The events noted since the last call."""
+        """The events ready to write since the last call (joins wait for a commit)."""
         taken, self.pending = self.pending, []
         return taken

@@ -156,8 +156,8 @@ class CoordinatorDuty:
                 if me is None:
                     self._signal.wait(None)
                     continue
-                if self._wait_for_turn(me):
-                    self._lead(me)
+                if self._wait_for_turn(me) and self._lead(me):
+                    self._await_new_key(me)
             except EtcdElasticError as exc:
                 # etcd unreachable for the whole retry budget, or similar: try again after
                 # a pause rather than die; the handler surfaces errors to its caller.
@@ -165,6 +165,15 @@ class CoordinatorDuty:
                 log.warning("coordinator duty: %s; retrying", exc)
                 self._stop.wait(1.0)
         self.is_leader = False
+
+    def _await_new_key(self, me: Membership) -> None:
+        """Fenced out although this node's key, as it knows it, is unchanged: the key was
+        deleted (or written by someone else) under a live lease, e.g. by ``etcdctl del``.
+        Leading again with it would be fenced out again at once, and forever: wait until
+        this node writes its key anew (the new create revision is its fence) or loses its
+        lease."""
+        while not self._stop.is_set() and self._membership() == me:
+            self._signal.wait(None)
 
     def _wait_for_turn(self, me: Membership) -> bool:
         """Block until no live node key is older than ours; False if we should re-check."""
@@ -215,7 +224,8 @@ class CoordinatorDuty:
             watch.cancel()
         return False
 
-    def _lead(self, me: Membership) -> None:
+    def _lead(self, me: Membership) -> bool:
+        """Coordinate until this node must step down; whether a commit was fenced out."""
         log.info("node %s coordinates run %s", me.node_id, self._keys.run_id)
         executor = StateExecutor(
             self._client, self._keys, written_by=me.node_id, wall_ms=self._wall_ms
@@ -227,15 +237,15 @@ class CoordinatorDuty:
         deadline_round = -1
         paused = False  # the state key is unreadable: wait for a valid value
         store_floor: int | None = None  # read once per term, only if the key is absent
-        recorder = EventRecorder(me.node_id)
+        recorder = EventRecorder(me.node_id, self._wall_ms)
         try:
             while not self._stop.is_set():
                 current = self._membership()
                 if current is None or current.create_revision != me.create_revision:
-                    return  # our key is gone (lease lost): step down, re-elect
+                    return False  # our key is gone (lease lost): step down, re-elect
                 if self._resync.is_set():
                     self._resync.clear()
-                    return  # the node watch was compacted: lead again from a fresh read
+                    return False  # the node watch was compacted: lead again from a fresh read
                 try:
                     state, mod_revision = self._view.snapshot()
                 except CorruptValueError as exc:
@@ -265,7 +275,7 @@ class CoordinatorDuty:
                                 self._keys.run_id, known.round,
                             )  # fmt: skip
                         if self._settle(me, result, ()):
-                            return
+                            return True
                         continue
                 if self._events is not None:
                     with self._nodes_lock:
@@ -300,12 +310,13 @@ class CoordinatorDuty:
                         )
                         self._events.submit(recorder.take())
                     if self._settle(me, result, decision.actions):
-                        return
+                        return True
                     continue
                 if self._events is not None and recorder.pending:
                     self._events.submit(recorder.take())
                 timeout = None if decision.wake_at == math.inf else decision.wake_at - now
                 self._signal.wait(max(timeout, 0.0) if timeout is not None else None)
+            return False
         finally:
             self.is_leader = False
             watch.cancel()

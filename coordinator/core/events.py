@@ -2,7 +2,10 @@
 
 What is recorded, and by whom (docs/timeline.md):
 
-* ``joined``: a node key appeared (the coordinator, from its node watch);
+* ``joined``: a node key appeared (the coordinator, from its node watch). For the members
+  of a round it is not written apart: the ``round_completed`` carries each member's key
+  generation and when it was seen, and readers derive the join (:func:`expand_joins`),
+  so a formation of N nodes writes one event, not N + 1;
 * ``departed`` with a cause: ``lease_expired`` (its key went without the node saying it
   leaves), ``left`` (it said so before revoking its lease), ``drained`` (an operator's
   ``rdzvctl drain``), ``quarantined`` and ``hung`` (for the health check and the hang
@@ -12,7 +15,7 @@ What is recorded, and by whom (docs/timeline.md):
 * ``closed`` with the mode and reason (whoever closed the run: an agent, ``rdzvctl close``);
 * ``drain_requested`` (``rdzvctl drain``) and ``fault`` (something noticed, no departure:
   ``hung``, ``quarantined``);
-* ``health_checked``: one node's result in a round's pre-flight check (that node).
+* ``health_checked``: a round's pre-flight check (the node that judged it, once).
 
 Each event has an id that names the fact, not the writer (:func:`event_id`): two writers
 recording the same fact (a departing node and the coordinator that sees its key go; two
@@ -52,15 +55,18 @@ __all__ = [
     "Cause",
     "Event",
     "EventKind",
+    "JoinsShown",
     "decode_event",
     "encode_event",
     "event_id",
+    "expand_joins",
     "order_events",
     "read_events",
     "trim_count",
 ]
 
-EVENT_SCHEMA_VERSION = 1
+EVENT_SCHEMA_VERSION = 2
+"""2 added each member's join to ``round_completed`` (``member_generations``)."""
 
 EventKind = Literal[
     "joined",
@@ -124,6 +130,9 @@ class Event:
         key: not stored: the event's key, when read back.
         generation: not stored: ``joined``/``departed``: the create revision of the
             node's key (names the event, see :func:`event_id`; 0: ``revision``).
+        member_generations, member_joined_ms: ``round_completed``: each member's key
+            create revision and when the coordinator saw it (0: not by this one); empty
+            or as long as ``members``.
     """
 
     kind: EventKind
@@ -141,6 +150,8 @@ class Event:
     written_revision: int = field(default=0, compare=False)
     key: str = field(default="", compare=False)
     generation: int = field(default=0, compare=False)
+    member_generations: tuple[int, ...] = ()
+    member_joined_ms: tuple[int, ...] = ()
 
     @property
     def order(self) -> tuple[int, int, int]:
@@ -196,6 +207,8 @@ def encode_event(event: Event) -> bytes:
         restart_count=event.restart_count,
         close_mode=CLOSE_MODE_CODES[event.close_mode],  # type: ignore[arg-type]
         incarnation=event.incarnation,
+        member_generations=event.member_generations,
+        member_joined_unix_ms=event.member_joined_ms,
     )
     fields = json_format.MessageToDict(message, preserving_proto_field_name=True)
     return json.dumps(fields, separators=(",", ":"), ensure_ascii=False).encode()
@@ -229,7 +242,11 @@ def decode_event(key: str, raw: bytes, written_revision: int = 0) -> Event:
     kind = _KIND_NAMES.get(message.kind)
     if kind is None:
         raise CorruptValueError(key, f"event kind {message.kind} is unknown")
-    members = sorted(message.members, key=lambda p: p.rank)
+    by_rank = sorted(range(len(message.members)), key=lambda i: message.members[i].rank)
+    members = [message.members[i] for i in by_rank]
+    joins = (list(message.member_generations), list(message.member_joined_unix_ms))
+    if any(values and len(values) != len(members) for values in joins):
+        raise CorruptValueError(key, f"member joins {joins} do not match {len(members)} members")
     return Event(
         kind=kind,  # type: ignore[arg-type]
         node_id=message.node_id,
@@ -245,7 +262,49 @@ def decode_event(key: str, raw: bytes, written_revision: int = 0) -> Event:
         incarnation=message.incarnation,
         written_revision=written_revision,
         key=key,
+        member_generations=tuple(joins[0][i] for i in by_rank) if joins[0] else (),
+        member_joined_ms=tuple(joins[1][i] for i in by_rank) if joins[1] else (),
     )
+
+
+class JoinsShown:
+    """Which joins a reader has shown: a ``round_completed`` implies the ``joined`` of each
+    member whose key generation was not shown yet (by its own ``joined`` event or an
+    earlier round). Pure; feed it the events in timeline order."""
+
+    def __init__(self) -> None:
+        self._shown: set[tuple[str, int]] = set()
+
+    def expand(self, event: Event) -> list[Event]:
+        """``event``, after the joins it implies that were not shown yet (in order)."""
+        if event.kind == "joined":
+            self._shown.add((event.node_id, event.revision))
+            return [event]
+        if event.kind != "round_completed" or not event.member_generations:
+            return [event]
+        out = []
+        seen_ms = event.member_joined_ms or (0,) * len(event.members)
+        for node, generation, ms in zip(
+            event.members, event.member_generations, seen_ms, strict=True
+        ):
+            if generation <= 0 or (node, generation) in self._shown:
+                continue
+            self._shown.add((node, generation))
+            out.append(
+                Event(
+                    "joined", node_id=node, round=event.round - 1, revision=generation,
+                    unix_ms=ms or event.unix_ms, written_by=event.written_by,
+                    incarnation=event.incarnation, written_revision=event.written_revision,
+                    key=event.key,
+                )
+            )  # fmt: skip
+        return [*out, event]
+
+
+def expand_joins(events: Iterable[Event]) -> list[Event]:
+    """``events`` (in timeline order) with the joins their rounds imply, in order."""
+    shown = JoinsShown()
+    return order_events(e for event in events for e in shown.expand(event))
 
 
 def read_events(kvs: Iterable[KeyValue]) -> tuple[list[Event], list[CorruptValueError]]:
@@ -259,7 +318,7 @@ def read_events(kvs: Iterable[KeyValue]) -> tuple[list[Event], list[CorruptValue
             events.append(decode_event(shown, kv.value, kv.create_revision))
         except CorruptValueError as exc:
             errors.append(exc)
-    return order_events(events), errors
+    return expand_joins(order_events(events)), errors
 
 
 def order_events(events: Iterable[Event]) -> list[Event]:

@@ -4,7 +4,9 @@ The handler asks for a round with :meth:`NodeMembership.write`; the coordinator 
 reads :meth:`NodeMembership.current` (the key's create revision is both its seniority in
 the election and the fence of its commits). A lost lease (etcd said so) is replaced on
 the next write, and the new key has a new create revision, so a node that lost its lease
-can never commit as the leader it was before.
+can never commit as the leader it was before. A key deleted under a live lease (an
+operator's ``etcdctl del``) is created again by the next write, and that new create
+revision is the one the node goes by from then on.
 
 Locking: ``_lock`` guards only the two references below and is a leaf lock: no RPC, no
 callback and no other lock is ever taken while it is held (docs/architecture.md).
@@ -81,18 +83,18 @@ class NodeMembership:
             session = self._session
         return session is not None and session.lost()
 
-    def _live_session(self) -> tuple[Session, bool]:
+    def _live_session(self) -> Session:
         """The current session, or a new one if there is none or it was lost."""
         with self._lock:
             old = self._session
         if old is not None and not old.lost():
-            return old, False
+            return old
         if old is not None:
             old.close(revoke=False)
         new = self._make_session()  # a lease grant: outside the lock
         with self._lock:
             self._session, self._membership = new, None
-        return new, True
+        return new
 
     def _drop(self, session: Session) -> None:
         with self._lock:
@@ -109,7 +111,7 @@ class NodeMembership:
         """
         key = self._keys.node(self.node_id)
         for _ in range(_LEASE_TRIES):
-            session, fresh = self._live_session()
+            session = self._live_session()
             try:
                 create_revision = self._client.put_created(
                     key, encode_node(record(session.lease_id)), lease=session.lease_id
@@ -121,7 +123,11 @@ class NodeMembership:
                 self._drop(session)
                 continue
             with self._lock:
-                if fresh or self._membership is None:
+                if self._membership is None or self._membership.create_revision != create_revision:
+                    # A new key: a new lease's, or ours deleted under a live lease (etcdctl
+                    # del) and created again by this put. Its create revision is the fence
+                    # and the seniority from now on: the old one would fence out every
+                    # commit, and rank this node above older ones.
                     self._membership = Membership(self.node_id, key, create_revision)
                 membership = self._membership
             return membership

@@ -136,7 +136,7 @@ def count_message(count: RestartCount) -> pb.RestartCount:
 
 def count_of_message(key: str, msg: pb.RestartCount, state_round: int) -> RestartCount:
     """The count stored at ``key`` in a state at ``state_round`` (absent in values of
-    schema_version < 3: nothing counted).
+    schema_version < 4: nothing counted).
 
     Raises:
         CorruptValueError: a negative count, or a round the state has not reached.

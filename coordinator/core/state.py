@@ -27,6 +27,7 @@ from google.protobuf.message import Message
 
 from coordinator.core.errors import CorruptValueError
 from coordinator.core.restart_budget import RestartCount, count_message, count_of_message
+from coordinator.core.worker_kinds import put_workers, read_workers
 from coordinator.generated import rendezvous_pb2 as pb
 
 __all__ = [
@@ -38,7 +39,6 @@ __all__ = [
     "NodeInfo",
     "Quarantine",
     "RdzvState",
-    "RestartCount",
     "close_mode_of",
     "decode_node",
     "decode_state",
@@ -46,14 +46,14 @@ __all__ = [
     "encode_state",
 ]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """2 added ``incarnation`` to the state and the node records; a value of version 1 has none
 and decodes as incarnation 1 (a reader of version 1 refuses version 2 with "upgrade every
-agent of the run").
-
-3 added the job's restart count (``restarts``; none in a value of version 2). An agent of
-version 2 must not join such a run: counting per node, it would let a node that leaves
-and joins again bypass the job's budget; it refuses with "upgrade every agent"."""
+agent of the run"). 3 added what each participant runs (``worker_kinds``,
+``worker_kind_of``) to the state; a value of version 2 has none (the agents then agree on
+ranks through the round's store). 4 added the job's restart count (``restarts``): an
+older agent must not join such a run (counting per node, a node that leaves and joins
+again would bypass the job's budget), so it refuses it with "upgrade every agent"."""
 
 MAX_ROUND = 2**63 - 2
 """The highest round a state may hold: nodes ask for ``round + 1`` and a completion writes
@@ -143,6 +143,9 @@ class RdzvState:
         hang: the last hang declared (None: none); it concerns ``hang.round`` only.
         quarantined: nodes left out of the rounds for a while (failed or slow in the
             pre-flight check; :mod:`coordinator.core.quarantine`).
+        workers: (role, local world size) of each participant, by rank, from the node
+            records at completion; empty: not known
+            (:mod:`coordinator.core.worker_kinds`).
         restarts: the job's counted restarts (:mod:`coordinator.core.restart_budget`).
     """
 
@@ -163,6 +166,7 @@ class RdzvState:
     draining: tuple[str, ...] = ()
     hang: Hang | None = None
     quarantined: tuple[Quarantine, ...] = ()
+    workers: tuple[tuple[str, int], ...] = ()
     restarts: RestartCount = field(default_factory=RestartCount)
 
     def quarantine_of(self, node_id: str) -> Quarantine | None:
@@ -277,6 +281,7 @@ def encode_state(state: RdzvState) -> bytes:
         ],
         restarts=count_message(state.restarts),
     )
+    put_workers(msg, state.workers)
     if state.hang is not None:
         h = state.hang
         msg.hang.CopyFrom(
@@ -336,6 +341,7 @@ def _decode_state_cached(key: str, raw: bytes) -> RdzvState:
         quarantined=tuple(
             Quarantine(q.node_id, q.reason, q.until_unix_ms, q.addr) for q in msg.quarantined
         ),
+        workers=read_workers(key, msg, len(ids)),
         restarts=count_of_message(key, msg.restarts, msg.round),
     )
 

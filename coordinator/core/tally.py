@@ -46,6 +46,8 @@ class Tally:
         gone_listed: entries of the wait and redundancy lists whose node is not eligible.
         newly_lost: participants that are not eligible and not yet in ``state.lost``.
         left_draining: entries of ``state.draining`` without any live key.
+        unlisted_returning: unlisted joiners that are participants of ``state.round``.
+        waiting_live: entries of the wait list whose node is eligible.
     """
 
     total: int = 0
@@ -57,6 +59,8 @@ class Tally:
     gone_listed: int = 0
     newly_lost: int = 0
     left_draining: int = 0
+    unlisted_returning: int = 0
+    waiting_live: int = 0
 
 
 _WIDTH = len(fields(Tally))
@@ -73,7 +77,8 @@ class Basis:
         self._participants = frozenset(state.participants)
         self._lost = frozenset(state.lost)
         # Multiplicities: a hand-written state may list a node twice; every entry counts.
-        self._listed = Counter(state.wait_list) + Counter(state.redundancy_list)
+        self._waiting = Counter(state.wait_list)
+        self._listed = self._waiting + Counter(state.redundancy_list)
         self._draining = Counter(state.draining)
         self._quarantined = frozenset(q.node_id for q in state.quarantined)
 
@@ -91,7 +96,7 @@ class Basis:
             if not (participant or listed or draining):
                 return _NOTHING
             lost = int(participant and node_id not in self._lost)
-            return (0, 0, 0, 0, 0, 0, listed, lost, draining)
+            return (0, 0, 0, 0, 0, 0, listed, lost, draining, 0, 0)
         eligible = (
             node.incarnation == self._incarnation
             and not draining
@@ -108,6 +113,8 @@ class Basis:
             0 if eligible else listed,
             int(participant and not eligible and node_id not in self._lost),
             0,
+            int(joiner and not listed and participant),
+            self._waiting.get(node_id, 0) if eligible else 0,
         )
 
 

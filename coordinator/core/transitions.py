@@ -42,6 +42,7 @@ from coordinator.core.quarantine import ended, new_entries, release_in
 from coordinator.core.restart_budget import counted, counts, settled
 from coordinator.core.state import CloseMode, Hang, NodeInfo, Quarantine, RdzvState
 from coordinator.core.tally import Tally, tally_of
+from coordinator.core.worker_kinds import pack_workers
 
 __all__ = [
     "Action",
@@ -60,6 +61,7 @@ __all__ = [
     "is_spare",
     "quarantine",
     "to_restore",
+    "workers_of",
 ]
 
 
@@ -187,6 +189,7 @@ class Action:
     redundant: tuple[str, ...] = ()
     master_addr: str = ""
     master_port: int = 0
+    workers: tuple[tuple[str, int], ...] = ()  # (role, local world size) by rank
     # MARK_RENDEZVOUS_CLOSED only:
     reason: str = ""
     mode: CloseMode = "unspecified"
@@ -303,6 +306,7 @@ def decide_coordinator(
                 redundant=tuple(n.node_id for n in joiners[limits.max_nodes :]),
                 master_addr=rank0.addr,
                 master_port=rank0.free_port,
+                workers=workers_of(chosen),
             )
             return CoordinatorDecision((complete,), None, math.inf)
 
@@ -314,6 +318,13 @@ def decide_coordinator(
     return CoordinatorDecision(tuple(actions), deadline, wake_at)
 
 
+def workers_of(nodes: Sequence[NodeInfo]) -> tuple[tuple[str, int], ...]:
+    """What each of ``nodes`` runs, from its record, for the state; empty when a record
+    lacks it or the state cannot hold it (:mod:`coordinator.core.worker_kinds`)."""
+    workers = tuple((n.role, n.local_world_size) for n in nodes)
+    return workers if pack_workers(workers) is not None else ()
+
+
 def _joiners(state: RdzvState, eligible: Mapping[str, NodeInfo]) -> list[NodeInfo]:
     target = state.round + 1
     return _order_joiners(state, (n for n in eligible.values() if n.wanted_round == target))
@@ -323,8 +334,10 @@ def _lists_behind(state: RdzvState, tally: Tally) -> bool:
     """Whether :func:`_bookkeeping` has anything to record (decided from the counts)."""
     if state.round == 0 or not state.participants:
         return tally.left_draining > 0
+    newcomers = tally.unlisted_joiners - tally.unlisted_returning
+    returning = tally.unlisted_returning and not tally.waiting_live  # see _bookkeeping
     return bool(
-        tally.newly_lost or tally.gone_listed or tally.left_draining or tally.unlisted_joiners
+        tally.newly_lost or tally.gone_listed or tally.left_draining or newcomers or returning
     )
 
 
@@ -357,10 +370,19 @@ def _bookkeeping(
         actions.append(Action(ActionKind.REMOVE_FROM_DRAINING, left_draining))
 
     listed = set(state.wait_list) | set(state.redundancy_list)
-    unlisted = [n.node_id for n in joiners if n.node_id not in listed]
+    participants = set(state.participants)
+    # The wait list tells the participants to re-rendezvous (num_nodes_waiting()); once a
+    # live node is on it, the others know, and a returning participant joins the next
+    # round whether it is listed or not. Listing each as it comes back would cost a state
+    # write (and N watch events) per re-joining node: O(N²) events per restart.
+    signalled = any(n in nodes for n in state.wait_list)
+    unlisted = [
+        n.node_id
+        for n in joiners
+        if n.node_id not in listed and not (signalled and n.node_id in participants)
+    ]
     alive_participants = len(state.participants) - len(lost | set(newly_lost))
     full = alive_participants >= limits.max_nodes
-    participants = set(state.participants)
     wait = tuple(n for n in unlisted if not full or n in participants)
     redundant = tuple(n for n in unlisted if full and n not in participants)
     if wait:
@@ -412,6 +434,7 @@ def apply(
                 lost=(),
                 master_addr=action.master_addr,
                 master_port=action.master_port,
+                workers=action.workers,
                 completed_at_unix_ms=now_unix_ms,
                 # The last round's restart is given back if this round is smaller.
                 restarts=settled(state.restarts, state.round, len(state.participants), len(ids)),

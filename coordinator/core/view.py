@@ -148,6 +148,10 @@ class StateView:
         self._resync()
 
     def _on_watch_error(self, error: Exception) -> None:
+        with self._cond:
+            starting = self._watch is None and not self._closed
+        if starting:
+            return  # the first watch, not confirmed: start() raises this very error
         log.warning("watch of %s ended (%s); re-reading", self._key_text, error)
         self._resync()
 

@@ -64,7 +64,7 @@ class Participant(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class RendezvousState(_message.Message):
-    __slots__ = ("schema_version", "round", "complete", "closed", "participants", "wait_list", "redundancy_list", "lost", "closed_reason", "completed_at_unix_ms", "written_by", "master_addr", "master_port", "close_mode", "closed_at_unix_ms", "incarnation", "draining", "hang", "quarantined", "restarts")
+    __slots__ = ("schema_version", "round", "complete", "closed", "participants", "wait_list", "redundancy_list", "lost", "closed_reason", "completed_at_unix_ms", "written_by", "master_addr", "master_port", "close_mode", "closed_at_unix_ms", "incarnation", "draining", "hang", "quarantined", "worker_kinds", "worker_kind_of", "restarts")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,8 @@ class RendezvousState(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     HANG_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    WORKER_KINDS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_KIND_OF_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     round: int
@@ -104,8 +106,18 @@ class RendezvousState(_message.Message):
     draining: _containers.RepeatedScalarFieldContainer[str]
     hang: Hang
     quarantined: _containers.RepeatedCompositeFieldContainer[Quarantine]
+    worker_kinds: _containers.RepeatedCompositeFieldContainer[WorkerKind]
+    worker_kind_of: _containers.RepeatedScalarFieldContainer[int]
     restarts: RestartCount
-    def __init__(self, schema_version: _Optional[int] = ..., round: _Optional[int] = ..., complete: _Optional[bool] = ..., closed: _Optional[bool] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., wait_list: _Optional[_Iterable[str]] = ..., redundancy_list: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[str]] = ..., closed_reason: _Optional[str] = ..., completed_at_unix_ms: _Optional[int] = ..., written_by: _Optional[str] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., close_mode: _Optional[_Union[CloseMode, str]] = ..., closed_at_unix_ms: _Optional[int] = ..., incarnation: _Optional[int] = ..., draining: _Optional[_Iterable[str]] = ..., hang: _Optional[_Union[Hang, _Mapping]] = ..., quarantined: _Optional[_Iterable[_Union[Quarantine, _Mapping]]] = ..., restarts: _Optional[_Union[RestartCount, _Mapping]] = ...) -> None: ...
+    def __init__(self, schema_version: _Optional[int] = ..., round: _Optional[int] = ..., complete: _Optional[bool] = ..., closed: _Optional[bool] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., wait_list: _Optional[_Iterable[str]] = ..., redundancy_list: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[str]] = ..., closed_reason: _Optional[str] = ..., completed_at_unix_ms: _Optional[int] = ..., written_by: _Optional[str] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., close_mode: _Optional[_Union[CloseMode, str]] = ..., closed_at_unix_ms: _Optional[int] = ..., incarnation: _Optional[int] = ..., draining: _Optional[_Iterable[str]] = ..., hang: _Optional[_Union[Hang, _Mapping]] = ..., quarantined: _Optional[_Iterable[_Union[Quarantine, _Mapping]]] = ..., worker_kinds: _Optional[_Iterable[_Union[WorkerKind, _Mapping]]] = ..., worker_kind_of: _Optional[_Iterable[int]] = ..., restarts: _Optional[_Union[RestartCount, _Mapping]] = ...) -> None: ...
+
+class WorkerKind(_message.Message):
+    __slots__ = ("role", "local_world_size")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    local_world_size: int
+    def __init__(self, role: _Optional[str] = ..., local_world_size: _Optional[int] = ...) -> None: ...
 
 class RestartCount(_message.Message):
     __slots__ = ("used", "round", "refunded")
@@ -200,7 +212,7 @@ class NodeRecord(_message.Message):
     def __init__(self, schema_version: _Optional[int] = ..., node_id: _Optional[str] = ..., addr: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., local_world_size: _Optional[int] = ..., role: _Optional[str] = ..., wanted_round: _Optional[int] = ..., lease_id: _Optional[int] = ..., started_at_unix_ms: _Optional[int] = ..., free_port: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class RunEvent(_message.Message):
-    __slots__ = ("schema_version", "kind", "node_id", "cause", "round", "members", "revision", "unix_ms", "written_by", "summary", "restart_count", "close_mode", "incarnation")
+    __slots__ = ("schema_version", "kind", "node_id", "cause", "round", "members", "revision", "unix_ms", "written_by", "summary", "restart_count", "close_mode", "incarnation", "member_generations", "member_joined_unix_ms")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +226,8 @@ class RunEvent(_message.Message):
     RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
     CLOSE_MODE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_JOINED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     kind: EventKind
     node_id: str
@@ -227,4 +241,6 @@ class RunEvent(_message.Message):
     restart_count: int
     close_mode: CloseMode
     incarnation: int
-    def __init__(self, schema_version: _Optional[int] = ..., kind: _Optional[_Union[EventKind, str]] = ..., node_id: _Optional[str] = ..., cause: _Optional[_Union[DepartureCause, str]] = ..., round: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., revision: _Optional[int] = ..., unix_ms: _Optional[int] = ..., written_by: _Optional[str] = ..., summary: _Optional[str] = ..., restart_count: _Optional[int] = ..., close_mode: _Optional[_Union[CloseMode, str]] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    member_generations: _containers.RepeatedScalarFieldContainer[int]
+    member_joined_unix_ms: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, schema_version: _Optional[int] = ..., kind: _Optional[_Union[EventKind, str]] = ..., node_id: _Optional[str] = ..., cause: _Optional[_Union[DepartureCause, str]] = ..., round: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., revision: _Optional[int] = ..., unix_ms: _Optional[int] = ..., written_by: _Optional[str] = ..., summary: _Optional[str] = ..., restart_count: _Optional[int] = ..., close_mode: _Optional[_Union[CloseMode, str]] = ..., incarnation: _Optional[int] = ..., member_generations: _Optional[_Iterable[int]] = ..., member_joined_unix_ms: _Optional[_Iterable[int]] = ...) -> None: ...

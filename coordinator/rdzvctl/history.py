@@ -20,7 +20,7 @@ from typing import Any
 
 from coordinator.core.errors import CorruptValueError, EtcdElasticError
 from coordinator.core.etcd_client import EtcdClient, WatchEvent
-from coordinator.core.events import Event, decode_event, read_events
+from coordinator.core.events import Event, JoinsShown, decode_event, read_events
 from coordinator.core.keys import RunKeys
 
 __all__ = [
@@ -67,7 +67,9 @@ def _what(event: Event) -> str:
     if kind == "drain_requested":
         return f"{event.node_id} asked to leave (drain) by {event.written_by or '?'}"
     if kind == "health_checked":
-        return f"{event.node_id} pre-flight check of round {event.round}: {event.summary}"
+        # One per round (its judge's); agents before that recorded one per node.
+        who = f"{event.node_id} " if event.node_id else ""
+        return f"{who}pre-flight check of round {event.round}: {event.summary}"
     cause = f" {event.cause}" if event.cause else ""
     summary = f": {event.summary}" if event.summary else ""
     return f"{event.node_id} fault{cause}{summary}"
@@ -197,7 +199,9 @@ def follow_history(
         for error in history.errors:
             on_error(error)
         stored = select(history.events)
+        joins = JoinsShown()  # a new round shows its members' joins not shown yet
         for event in stored:
+            joins.expand(event)
             emit(event)
         shown = len(stored)
         while True:
@@ -215,7 +219,8 @@ def follow_history(
                 except CorruptValueError as exc:
                     on_error(exc)
                     continue
-                emit(event)
-                shown += 1
+                for each in joins.expand(event):
+                    emit(each)
+                    shown += 1
     finally:
         watch.cancel()

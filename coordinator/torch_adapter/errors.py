@@ -14,9 +14,18 @@ torch…RendezvousClosedError`` both hold::
     ├── NodeLeftError
     └── RendezvousFailedError      any other core error
 
-:func:`torch_errors` is the one boundary: it wraps the handler's and the Store's public
-methods and re-raises a core error as its torch-typed twin (same message, same
-attributes, same traceback).
+The Store's callers (torch's ``elastic.utils.store``, its agent, ours) catch torch's
+store errors, not rendezvous errors, so a Store raises these instead::
+
+    torch DistError (RuntimeError)
+    ├── DistStoreError ─┬─ StoreConnectionError  ← EtcdConnectionError (etcd away)
+    └── DistNetworkError┘  ├── StoreAuthError    ← EtcdAuthError (no permission on store/)
+                           └── StoreTLSError     ← EtcdTLSError
+    DistStoreError ─────── StoreFailedError      ← any other core error
+
+:func:`torch_errors` (the handler's public methods) and :func:`store_errors` (the Store's)
+are the one boundary: each re-raises a core error as its torch-typed twin (same message,
+same attributes, same traceback).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import functools
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
+from torch.distributed import DistError, DistNetworkError, DistStoreError
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -52,7 +62,13 @@ __all__ = [
     "RendezvousTimeoutError",
     "RunClosedError",
     "RunEndedWhileWaitingError",
+    "StoreAuthError",
+    "StoreConnectionError",
+    "StoreFailedError",
+    "StoreTLSError",
+    "as_store_error",
     "as_torch_error",
+    "store_errors",
     "torch_errors",
 ]
 
@@ -98,8 +114,30 @@ class RendezvousFailedError(core.EtcdElasticError, RendezvousError):
     """Any other core error, as a torch ``RendezvousError``."""
 
 
+class StoreConnectionError(core.EtcdConnectionError, DistNetworkError, DistStoreError):
+    """A Store call found no etcd member answering: what torch's ``TCPStore`` raises when
+    its server is gone (``DistNetworkError``), and a ``DistStoreError``, which torch's
+    store utilities and our agent catch.
+    See :class:`coordinator.core.errors.EtcdConnectionError`."""
+
+
+class StoreAuthError(core.EtcdAuthError, StoreConnectionError):
+    """A Store call was refused: the etcd user may not use the round's ``store/`` keys.
+    See :class:`coordinator.core.errors.EtcdAuthError`."""
+
+
+class StoreTLSError(core.EtcdTLSError, StoreConnectionError):
+    """See :class:`coordinator.core.errors.EtcdTLSError`, as a Store error."""
+
+
+class StoreFailedError(core.EtcdElasticError, DistStoreError):
+    """Any other core error out of a Store call, as a ``DistStoreError``."""
+
+
+_Twins = tuple[tuple[type[core.EtcdElasticError], type[core.EtcdElasticError]], ...]
+
 # Most specific first: the first match wins.
-_TWINS: tuple[tuple[type[core.EtcdElasticError], type[core.EtcdElasticError]], ...] = (
+_TWINS: _Twins = (
     (core.EtcdAuthError, EtcdAuthError),
     (core.EtcdTLSError, EtcdTLSError),
     (core.EtcdConnectionError, EtcdConnectionError),
@@ -113,11 +151,31 @@ _TWINS: tuple[tuple[type[core.EtcdElasticError], type[core.EtcdElasticError]], .
 )
 
 
+_STORE_TWINS: _Twins = (
+    (core.EtcdAuthError, StoreAuthError),
+    (core.EtcdTLSError, StoreTLSError),
+    (core.EtcdConnectionError, StoreConnectionError),
+    (core.EtcdElasticError, StoreFailedError),
+)
+
+
 def as_torch_error(exc: core.EtcdElasticError) -> BaseException:
     """``exc`` as its torch-typed twin (``exc`` itself if it already is one)."""
     if isinstance(exc, RendezvousError):
         return exc
-    for source, twin in _TWINS:
+    return _twin_of(exc, _TWINS)
+
+
+def as_store_error(exc: core.EtcdElasticError) -> BaseException:
+    """``exc`` as the torch store error a Store's caller catches (``exc`` itself if it
+    already is one)."""
+    if isinstance(exc, DistError):
+        return exc
+    return _twin_of(exc, _STORE_TWINS)
+
+
+def _twin_of(exc: core.EtcdElasticError, twins: _Twins) -> BaseException:
+    for source, twin in twins:
         if isinstance(exc, source):
             copy = twin.__new__(twin)
             copy.args = exc.args
@@ -134,12 +192,22 @@ R = TypeVar("R")
 
 def torch_errors(method: Callable[P, R]) -> Callable[P, R]:
     """Wrap ``method`` so a core error leaves it as its torch-typed twin."""
+    return _translating(method, as_torch_error)
 
+
+def store_errors(method: Callable[P, R]) -> Callable[P, R]:
+    """Wrap a Store method so a core error leaves it as a torch store error."""
+    return _translating(method, as_store_error)
+
+
+def _translating(
+    method: Callable[P, R], twin: Callable[[core.EtcdElasticError], BaseException]
+) -> Callable[P, R]:
     @functools.wraps(method)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return method(*args, **kwargs)
         except core.EtcdElasticError as exc:
-            raise as_torch_error(exc) from exc.__cause__
+            raise twin(exc) from exc.__cause__
 
     return wrapper

@@ -33,6 +33,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousHandler,
@@ -74,12 +75,15 @@ from coordinator.core.transitions import (
     is_spare,
     quarantine,
 )
+from coordinator.core.view import StateView
 from coordinator.torch_adapter.errors import torch_errors
 from coordinator.torch_adapter.store import EtcdStore
 
 __all__ = ["EtcdRendezvousHandler", "create_handler"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _node_counter = itertools.count()
 # Random per process: host name and pid repeat across containers (all pid 1, one name on
@@ -138,11 +142,16 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._events: EventLog | None = None
         # Every key of the run that no node owns hangs on the run's lease (run_lease.py).
         self._run_lease = RunLease(self._keys, settings.retention, settings.lease_ttl)
+        # The view of the last participation (kept after it ended): what is_closed() reads.
+        self._last_view: StateView | None = None
         self._started_ms = int(time.time() * 1000)
         self.last_round = -1
         """The round of this node's last completed rendezvous (-1: none yet)."""
         self.last_members: tuple[str, ...] = ()
         """That round's node ids in group-rank order."""
+        self.last_workers: tuple[tuple[str, int], ...] = ()
+        """What each node of that round runs, (role, local world size) by group rank, as
+        the coordinator copied it from the node records (empty: not known)."""
         self.incarnation = 0
         """The incarnation of the run this node belongs to (0: it has not asked to join
         yet). Taken at the first join and kept: a node never joins another incarnation."""
@@ -184,21 +193,33 @@ class EtcdRendezvousHandler(RendezvousHandler):
         with self._lock:
             won = self._parts is None and not self._left
             if won:
-                self._parts, self._rejoin = parts, None
+                self._parts, self._rejoin, self._last_view = parts, None, parts.view
         if not won:
             parts.close()
             return self._participation()  # raises NodeLeftError, or returns the winner's
         parts.duty.start()
         return parts
 
-    def _rejoin_participation(self, deadline: float) -> Participation:
-        """A new participation after a thread death, tried again until ``deadline``: the
-        fault that killed one watch thread may kill the next one's first watch too (or etcd
-        may be away for a moment), and a node must not give up its join for it."""
+    def _join_participation(self, deadline: float) -> Participation:
+        """The live participation (a new one on the first join and after a thread death),
+        tried again until ``deadline`` once this node has taken part: etcd may be away
+        when a re-join starts (an outage overlapping a restart), and the fault that killed
+        one watch thread may kill the next one's first watch too; a node must not give up
+        its join for either. A node that never reached etcd gives up after read_timeout,
+        naming the endpoints: that is most likely a wrong endpoint (DESIGN §6)."""
+        with self._lock:
+            reached = self._last_view is not None
+        if not reached:
+            return self._participation()
+        return self._until(deadline, "joining", self._participation)
+
+    def _until(self, deadline: float, doing: str, call: Callable[[], T]) -> T:
+        """``call()``, tried again after an etcd connection error until ``deadline`` (the
+        join's): each try is bounded by read_timeout, the join by join_timeout."""
         failures = 0
         while True:
             try:
-                return self._participation()
+                return call()
             except (EtcdAuthError, EtcdTLSError):
                 raise  # a wrong credential does not heal by waiting
             except EtcdConnectionError as exc:
@@ -207,8 +228,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     raise
                 delay = min(left, backoff_delay(failures, secrets.randbelow(1000) / 1000))
                 log.warning(
-                    "node %s: re-joining run %s failed (%s); trying again in %.1f s",
-                    self.node_id, self._keys.run_id, exc, delay,
+                    "node %s: %s run %s failed (%s); trying again in %.1f s",
+                    self.node_id, doing, self._keys.run_id, exc, delay,
                 )  # fmt: skip
                 failures += 1
                 time.sleep(delay)
@@ -284,8 +305,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
         # The run's keys are gone with its lease: leave and join again from scratch.
         self._on_thread_death(ThreadDied(f"etcd-keepalive-{self._run_lease.id:x}", error))
 
-    def _write_node(self, parts: Participation, wanted_round: int) -> None:
-        """Write this node's key asking for ``wanted_round``, with a live lease."""
+    def _node_writer(self, parts: Participation, wanted_round: int) -> Callable[[], None]:
+        """Writes this node's key asking for ``wanted_round``, with a live lease; does
+        nothing once ``parts`` has ended (the join loop then starts over on a new one)."""
 
         def record(lease_id: int) -> NodeInfo:
             return NodeInfo(
@@ -302,8 +324,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 incarnation=self.incarnation,
             )
 
-        parts.member.write(record)
-        parts.duty.poke()
+        def write() -> None:
+            if self._current() is not parts:
+                return  # ended while a try failed: no lease nor key for a dead participation
+            parts.member.write(record)
+            parts.duty.poke()
+
+        return write
 
     def _session_lost(self) -> bool:
         # Called under the view's condition (wait_newer's predicate): takes only the leaf
@@ -324,17 +351,17 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     @torch_errors
     def next_rendezvous(self) -> RendezvousInfo:
-        parts = self._participation()
         run_id = self._keys.run_id
         start = self._clock()
         deadline = start + self._settings.join_timeout
+        parts = self._join_participation(deadline)
         wanted = 0
         quarantined = 0  # the end time of this node's quarantine last logged
         log.info("node %s joining run %s", self.node_id, run_id)
         while True:
             if self._current() is not parts:
                 # A background thread died and this node left: join again from scratch.
-                parts, wanted = self._rejoin_participation(deadline), 0
+                parts, wanted = self._join_participation(deadline), 0
             view = parts.view
             state, _, seen = view.read()
             if state.quarantine_of(self.node_id) is not None:
@@ -361,6 +388,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     self._clock() - start,
                 )  # fmt: skip
                 self.last_round, self.last_members = state.round, state.participants
+                self.last_workers = state.workers
                 return self._info(state, rank)
             ctx = JoinContext(
                 run_id, self.node_id, self.incarnation, wanted, self._settings.join_timeout,
@@ -383,7 +411,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
                             self.node_id, run_id, state.closed_reason or "closed",
                             self.incarnation, state.incarnation,
                         )  # fmt: skip
-                self._write_node(parts, wanted)
+                ask = self._node_writer(parts, wanted)
+                self._until(deadline, f"asking for round {wanted} of", ask)
                 continue
             # A listed spare waits for events only, without a deadline (past join_timeout
             # a timeout of 0 would make this loop spin).
@@ -418,8 +447,14 @@ class EtcdRendezvousHandler(RendezvousHandler):
     @torch_errors
     def is_closed(self) -> bool:
         # From memory and never raising: a running agent asks this every tick, and an
-        # unreadable state (an operator's stray put) must not end its training.
-        return self._closed_for_me(self._participation().view.peek())
+        # unreadable state (an operator's stray put) must not end its training. After a
+        # thread death the participation is gone until the next join; the state its view
+        # last saw answers, for building a new one here would make RPCs on the agent's
+        # loop (and raise while etcd is away). Before any join: not known to be closed
+        # (the join finds out).
+        with self._lock:
+            view = self._last_view
+        return view is not None and self._closed_for_me(view.peek())
 
     def _closed_for_me(self, state: RdzvState) -> bool:
         # Closed for this node: its incarnation is closed or over. A node waiting to start

@@ -20,9 +20,16 @@ Semantics, case by case (as ``TCPStore`` behaves in torch 2.13):
 * ``wait(keys[, timeout])`` / ``multi_get(keys)`` block like ``get`` with one deadline for
   all keys; a zero timeout checks once.
 * ``check``, ``delete_key``, ``num_keys`` (keys of this round only), ``multi_set`` (one
-  transaction), ``append`` (atomic, exactly once like ``add``; creates), ``list_keys``,
-  ``clone``.
+  transaction per 100 keys), ``append`` (atomic, exactly once like ``add``; creates),
+  ``list_keys``, ``clone``. ``multi_get`` and ``check`` read many keys with one range read.
+* Not torch's API: ``gather`` and ``count_keys``, one range read for every key under a
+  prefix (how the agents' exchanges read: never one ``get`` per key).
 * Not provided: the ``queue_*`` operations (nothing in torch's Python layer uses them).
+* Errors are torch's: etcd unreachable (``StoreConnectionError``, a ``DistNetworkError``
+  as ``TCPStore`` raises when its server is gone, and a ``DistStoreError``), a user
+  without permission on the round's keys (``StoreAuthError``), anything else of the core
+  (``StoreFailedError``); see :mod:`coordinator.torch_adapter.errors`. Each is also the
+  core's error of the same kind.
 
 Blocking reads never poll: read, and if the key is absent watch exactly that key from
 now and read again, so a put between the read and the watch is still seen; a watch that
@@ -45,8 +52,15 @@ from torch.distributed import (  # type: ignore[attr-defined]
 from coordinator.core.etcd_client import EtcdClient, KeyValue
 from coordinator.core.keys import decode_store_key, join_store_key, round_store_prefix
 from coordinator.core.store_rounds import ops_prefix, round_of_folder, round_prefixes
+from coordinator.torch_adapter.errors import store_errors
+from coordinator.torch_adapter.store_many import read_many, set_many
 from coordinator.torch_adapter.store_once import new_op_id, write_once
-from coordinator.torch_adapter.store_wait import Aborted, Cancellation, wait_for_key
+from coordinator.torch_adapter.store_wait import (
+    Aborted,
+    Cancellation,
+    wait_for_key,
+    wait_for_prefix,
+)
 
 __all__ = ["EtcdStore", "delete_round", "delete_rounds_before"]
 
@@ -111,10 +125,12 @@ class EtcdStore(Store):
 
     # -- writes ------------------------------------------------------------------------
 
+    @store_errors
     def set(self, key: str | bytes, value: str | bytes) -> None:
         """Store ``value`` under ``key``, replacing any value."""
         self._client.put(self._key(key), _to_bytes("value", value))
 
+    @store_errors
     def add(self, key: str | bytes, amount: int) -> int:
         """Add ``amount`` to the decimal counter at ``key`` (absent: 0) and return the sum.
 
@@ -138,6 +154,7 @@ class EtcdStore(Store):
 
         return int(write_once(self._client, self._key(key), self._marker(op_id), modify))
 
+    @store_errors
     def append(self, key: str | bytes, value: str | bytes) -> None:
         """Append ``value`` to the bytes at ``key``, creating it when absent (atomic).
 
@@ -154,6 +171,7 @@ class EtcdStore(Store):
 
         write_once(self._client, self._key(key), self._marker(op_id), modify)
 
+    @store_errors
     def compare_set(
         self, key: str | bytes, expected_value: str | bytes, desired_value: str | bytes
     ) -> bytes:
@@ -179,8 +197,10 @@ class EtcdStore(Store):
                 return desired
             current = result.current
 
+    @store_errors
     def multi_set(self, keys: Sequence[str | bytes], values: Sequence[str | bytes]) -> None:
-        """Set every ``keys[i]`` to ``values[i]`` in one etcd transaction.
+        """Set every ``keys[i]`` to ``values[i]``: one etcd transaction per 100 keys
+        (:func:`~coordinator.torch_adapter.store_many.set_many`).
 
         A key given twice takes its last value, as with repeated ``set``.
 
@@ -192,24 +212,9 @@ class EtcdStore(Store):
                 f"multi_set got {len(keys)} keys and {len(values)} values; give one value per key"
             )
         pairs = {self._key(k): _to_bytes("value", v) for k, v in zip(keys, values, strict=True)}
-        if not pairs:
-            return
-        # etcd's transactions put unconditionally only behind a compare; guard on the
-        # first key's revision and retry with the value the failed transaction read.
-        items = list(pairs.items())
-        (first_key, first_value), rest = items[0], items[1:]
-        current, _ = self._client.get(first_key)
-        while True:
-            result = self._client.put_if_mod_revision(
-                first_key,
-                first_value,
-                self._mod_revision(current),
-                also_put=[(k, v, 0) for k, v in rest],
-            )
-            if result.succeeded:
-                return
-            current = result.current
+        set_many(self._client, list(pairs.items()))
 
+    @store_errors
     def delete_key(self, key: str | bytes) -> bool:
         """Delete ``key``; return whether it existed."""
         deleted, _ = self._client.delete(self._key(key))
@@ -217,6 +222,7 @@ class EtcdStore(Store):
 
     # -- reads -------------------------------------------------------------------------
 
+    @store_errors
     def get(self, key: str | bytes) -> bytes:
         """Return the value of ``key``, waiting up to the store timeout for it to appear.
 
@@ -225,10 +231,17 @@ class EtcdStore(Store):
         """
         return self._wait_all([key], self._deadline(None))[0].value
 
+    @store_errors
     def multi_get(self, keys: Sequence[str | bytes]) -> list[bytes]:
-        """Return the values of ``keys`` in order, waiting for each like :meth:`get`."""
-        return [kv.value for kv in self._wait_all(keys, self._deadline(None))]
+        """Return the values of ``keys`` in order, waiting for each like :meth:`get`: one
+        range read when they are all there (:func:`~.store_many.read_many`)."""
+        found = read_many(self._client, [self._key(k) for k in keys])
+        missing = [k for k in keys if self._key(k) not in found]
+        for key, kv in zip(missing, self._wait_all(missing, self._deadline(None)), strict=True):
+            found[self._key(key)] = kv
+        return [found[self._key(k)].value for k in keys]
 
+    @store_errors
     def wait(self, keys: Sequence[str | bytes], timeout: timedelta | None = None) -> None:
         """Block until every key exists, up to ``timeout`` (default: the store timeout).
 
@@ -237,28 +250,65 @@ class EtcdStore(Store):
         """
         self._wait_all(keys, self._deadline(timeout))
 
+    @store_errors
     def check(self, keys: Sequence[str | bytes]) -> bool:
-        """Return whether every key exists now (no waiting)."""
-        return all(self._client.get(self._key(k))[0] is not None for k in keys)
+        """Return whether every key exists now (no waiting; one read)."""
+        found = read_many(self._client, [self._key(k) for k in keys])
+        return all(self._key(k) in found for k in keys)
 
+    @store_errors
     def num_keys(self) -> int:
         """Number of keys in this store (this round only)."""
         count, _ = self._client.count_prefix(self._prefix)
         return count
 
+    @store_errors
     def list_keys(self) -> list[str]:
         """The keys of this store (this round only), decoded; bytes that are not UTF-8
         are shown as ``\\xNN``."""
         kvs, _ = self._client.get_prefix(self._prefix, keys_only=True)
-        keys = []
-        for kv in kvs:
+        return list(self._user_keys([kv.key for kv in kvs]).values())
+
+    @store_errors
+    def gather(
+        self, key_prefix: str | bytes, count: int, timeout: timedelta | None = None
+    ) -> dict[str, bytes]:
+        """Every key that starts with ``key_prefix`` and its value, once there are at least
+        ``count``, waiting up to ``timeout`` (default: the store timeout); at the deadline,
+        those there are. One range read when they are all there, else one prefix watch
+        (its events reach this caller only) and a second read; never a get per key.
+
+        Raises:
+            DistStoreError: the wait was aborted (:meth:`abort`).
+        """
+        etcd_prefix = self._key(key_prefix)
+        try:
+            found = wait_for_prefix(
+                self._client, etcd_prefix, count, self._deadline(timeout),
+                clock=self._clock, cancellation=self._cancellation,
+            )  # fmt: skip
+        except Aborted as exc:
+            raise DistStoreError(f"wait for store keys {key_prefix!r}* aborted: {exc}") from None
+        return {key: found[k].value for k, key in self._user_keys(sorted(found)).items()}
+
+    @store_errors
+    def count_keys(self, key_prefix: str | bytes) -> int:
+        """How many keys of this store start with ``key_prefix`` (one count-only read)."""
+        count, _ = self._client.count_prefix(self._key(key_prefix))
+        return count
+
+    def _user_keys(self, etcd_keys: Sequence[bytes]) -> dict[bytes, str]:
+        """etcd key -> the Store key it holds, decoded (bytes that are not UTF-8 shown as
+        ``\\xNN``); a foreign key is logged and left out."""
+        out = {}
+        for key in etcd_keys:
             try:
-                raw = decode_store_key(kv.key[len(self._prefix) :])
+                raw = decode_store_key(key[len(self._prefix) :])
             except ValueError:
-                log.warning("ignoring foreign key %r in store %r", kv.key, self._prefix)
+                log.warning("ignoring foreign key %r in store %r", key, self._prefix)
                 continue
-            keys.append(raw.decode("utf-8", "backslashreplace"))
-        return keys
+            out[key] = raw.decode("utf-8", "backslashreplace")
+        return out
 
     def clone(self) -> EtcdStore:
         """A new handle on the same store (same client, prefix, timeout and clock).

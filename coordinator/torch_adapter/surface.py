@@ -51,6 +51,13 @@ class RendezvousSurface(Protocol):
         ...
 
     @property
+    def last_workers(self) -> tuple[tuple[str, int], ...]:
+        """What each node of that round runs, (role, local world size) by group rank, so
+        every agent computes every worker's ranks without a store exchange (empty where
+        unknown: the agents then exchange them through the round's store)."""
+        ...
+
+    @property
     def incarnation(self) -> int:
         """The incarnation of the run this node belongs to (0: not asked to join yet)."""
         ...
@@ -139,6 +146,7 @@ class ForeignSurface:
     node_id = "?"
     last_round = -1
     last_members: tuple[str, ...] = ()
+    last_workers: tuple[tuple[str, int], ...] = ()
     incarnation = 0
     close_mode: CloseMode = "unspecified"
     drain_requested = False

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.core.errors import EtcdAuthError, EtcdTLSError
-from coordinator.core.etcd_client import EtcdClient, EtcdConfig
+from coordinator.core.etcd_client import EtcdClient, EtcdConfig, WatchEvent
 from coordinator.etcd_server import EtcdCluster, ServerTLS
 from coordinator.rdzvctl.main import main as rdzvctl_main
 from tests.conftest import _test_binary
@@ -397,21 +397,46 @@ def test_a_running_client_survives_a_password_rotation_through_its_file(
         )
 
 
-def test_a_running_client_keeps_its_certificate_when_the_files_are_replaced(
-    secure: Secure, tmp_path: Path
+def test_a_running_client_reconnects_with_its_renewed_certificate_once_the_old_is_revoked(
+    secure: Secure,
 ) -> None:
-    files = secure.a.issue("ops-rotating", "ops", server=False)
+    """A short-lived client certificate is renewed in place under a running client: the
+    files are replaced by a new pair (the old key is gone) and the old certificate's
+    identity is revoked. The client used to keep the pair it read at its start: every
+    call after that was refused, and so was every stream at its first reconnect."""
+    # Identities by certificate alone: etcd takes the CN as the user (docs/security.md).
+    for user in ("rotating-old", "rotating-new"):
+        secure.ctl("user", "add", user, "--no-password")
+        secure.ctl("user", "grant-role", user, "etcd-elastic")
+    files = secure.a.issue("rotating", "rotating-old", server=False)
     config = EtcdConfig(
         endpoints=(secure.endpoint,), protocol="https", ca_cert=str(secure.a.ca),
-        cert=str(files.cert), cert_key=str(files.key), request_timeout=2.0, retry_budget=10.0,
+        cert=str(files.cert), cert_key=str(files.key), request_timeout=2.0, retry_budget=20.0,
     )  # fmt: skip
     key = f"{PREFIX}/cert-rotation".encode()
+    seen: list[bytes] = []
+    heard = threading.Event()
+
+    def on_events(events: list[WatchEvent], _revision: int) -> None:
+        seen.extend(event.kv.value for event in events)
+        if b"after the reconnect" in seen:
+            heard.set()
+
     with EtcdClient(config) as running:
         running.put(key, b"1")
-        renewed = secure.a.issue("ops-renewed", "ops", server=False)
+        watch = running.watch(key, 0, on_events, lambda rev: None)
+        watch.wait_created()
+        renewed = secure.a.issue("renewed", "rotating-new", server=False)
         os.replace(renewed.cert, files.cert)
         os.replace(renewed.key, files.key)
-        running.put(key, b"2")  # read at its start; the renewed files serve new clients
+        secure.ctl("user", "delete", "rotating-old")  # the old certificate is no good now
+        running.put(key, b"2")  # a new call: the renewed pair
+        secure.cluster.restart(0)  # every connection breaks: the watch stream reconnects
+        running.put(key, b"after the reconnect")
+        assert heard.wait(30), f"the watch did not resume; it saw {seen!r}"
+        assert watch.error is None
+        kv, _ = running.get(key)
+        assert kv is not None and kv.value == b"after the reconnect"
         with EtcdClient(config) as fresh:
             assert fresh.get(key)[0] is not None
 

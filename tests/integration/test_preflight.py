@@ -153,5 +153,11 @@ def test_three_nodes_measure_their_pairs_and_the_slow_one_is_named() -> None:
     for n in verdict.nodes:
         assert n.result is not None and len(n.result.pairs) == 2
         assert all(p.seconds is not None for p in n.result.pairs), n.result
-    # Every node wrote the same verdict (the state keeps the first).
-    assert [[e.node_id for e in entries] for entries in written] == [["n1"]] * 3
+    # Every node reached group rank 0's verdict; it alone quarantined (one write).
+    for pf in nodes[1:]:
+        theirs = pf.last
+        assert theirs is not None and not pf.last_judged
+        assert [n.passed for n in theirs.nodes] == [True, False, True]
+        assert theirs.nodes[1] == verdict.nodes[1]  # the failed node, with its measures
+    assert nodes[0].last_judged
+    assert [[e.node_id for e in entries] for entries in written] == [["n1"]]

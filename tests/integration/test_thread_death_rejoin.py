@@ -151,3 +151,42 @@ def test_repeated_thread_deaths_during_a_join_still_end_in_a_round(
     monkeypatch.undo()
     assert deaths >= 2
     assert sorted(_both_join(waiting, second)) == [0, 1]
+
+
+@pytest.mark.parametrize("closed", [False, True], ids=["open", "closed"])
+def test_is_closed_after_a_thread_death_answers_from_memory_while_etcd_is_away(
+    run_id: str, handlers: list[EtcdRendezvousHandler], monkeypatch: pytest.MonkeyPatch,
+    closed: bool,
+) -> None:  # fmt: skip
+    # The worst moment: a watch thread died (the node left, its participation is gone
+    # until the next join) and etcd is away when the agent's loop asks is_closed() on
+    # its next tick. It must answer from what the node saw, at once and without raising;
+    # it used to build a new participation there (a watch and a read: RPCs), which
+    # raised RendezvousConnectionError after read_timeout.
+    with EtcdCluster(1, no_fsync=True, stop_grace=1.0) as cluster:
+        node = make_handler(cluster, run_id, 1, 1, read_timeout=2)
+        handlers.append(node)
+        Joins([node]).start().infos()
+        client: EtcdClient = node._etcd()
+        monkeypatch.setattr(client._watcher, "_handle", _dies)
+        if closed:
+            node.set_closed("closed by the test")  # its event kills the watch thread
+        else:
+            with EtcdClient(EtcdConfig(endpoints=tuple(cluster.endpoints))) as poker:
+                _rewrite_key(poker, node._keys.state)
+        wait_until(lambda: node.num_nodes_waiting() == 1, 30, "the node to report the death")
+        assert node._current() is None
+        wait_until(
+            lambda: not [t for t in threading.enumerate() if t.name == "rdzv-rejoin"],
+            30,
+            "the dead participation's teardown",
+        )
+        cluster.kill(0)
+        began = time.monotonic()
+        assert node.is_closed() is closed
+        assert time.monotonic() - began < 1.0  # read_timeout is 2 s: no etcd call was made
+        assert node._current() is None  # nothing was built for it
+
+
+def _dies(*_args: object) -> None:
+    raise RuntimeError("injected into the watch thread")

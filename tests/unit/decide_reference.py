@@ -10,7 +10,13 @@ import math
 from collections.abc import Iterable, Mapping
 
 from coordinator.core.state import NodeInfo, RdzvState
-from coordinator.core.transitions import Action, ActionKind, CoordinatorDecision, Limits
+from coordinator.core.transitions import (
+    Action,
+    ActionKind,
+    CoordinatorDecision,
+    Limits,
+    workers_of,
+)
 
 
 def _order_joiners(state: RdzvState, joiners: Iterable[NodeInfo]) -> list[NodeInfo]:
@@ -78,6 +84,7 @@ def reference_decide(
                 redundant=tuple(n.node_id for n in joiners[limits.max_nodes :]),
                 master_addr=rank0.addr,
                 master_port=rank0.free_port,
+                workers=workers_of(chosen),
             )
             return CoordinatorDecision((complete,), None, math.inf)
 
@@ -114,7 +121,13 @@ def _bookkeeping(
         actions.append(Action(ActionKind.REMOVE_FROM_DRAINING, left_draining))
 
     listed = set(state.wait_list) | set(state.redundancy_list)
-    unlisted = [n.node_id for n in joiners if n.node_id not in listed]
+    # A returning participant is listed only while no live node waits yet (the signal).
+    signalled = any(n in nodes for n in state.wait_list)
+    unlisted = [
+        n.node_id
+        for n in joiners
+        if n.node_id not in listed and not (signalled and state.rank_of(n.node_id) is not None)
+    ]
     alive_participants = len(state.participants) - len(set(state.lost) | set(newly_lost))
     full = alive_participants >= limits.max_nodes
     wait = tuple(n for n in unlisted if not full or state.rank_of(n) is not None)

@@ -126,6 +126,16 @@ def test_the_metrics_address_comes_with_its_port() -> None:
     assert _parse([SCRIPT], environ) == _parse([*flags, SCRIPT], BASE)
 
 
+def test_an_empty_variable_is_an_unset_one(capsys: pytest.CaptureFixture[str]) -> None:
+    # A scheduler's template with no value: the built-in default, and an error about a
+    # missing value names the flag alone.
+    assert _parse([SCRIPT], {**BASE, "PET_MAX_RESTARTS": ""}).max_restarts == 0
+    environ = {"PET_RDZV_ENDPOINT": "e1:2379", "PET_RDZV_ID": " "}
+    assert _error(["--nnodes=2", SCRIPT], environ, capsys).startswith(
+        "etcdrun: error: --rdzv-id: missing; a job of up to 2 nodes needs a run id"
+    )
+
+
 def test_nnodes_alone_is_a_fixed_size() -> None:
     fixed = _parse([SCRIPT], {**BASE, "PET_NNODES": "4"})
     assert (fixed.min_nodes, fixed.max_nodes) == (4, 4)

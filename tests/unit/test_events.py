@@ -16,6 +16,7 @@ from coordinator.core.events import (
     decode_event,
     encode_event,
     event_id,
+    expand_joins,
     order_events,
     read_events,
     trim_count,
@@ -37,7 +38,7 @@ def test_an_event_round_trips_as_readable_json() -> None:
     )  # fmt: skip
     raw = encode_event(event)
     assert json.loads(raw) == {
-        "schema_version": 1,
+        "schema_version": 2,
         "kind": "EVENT_KIND_ROUND_COMPLETED",
         "round": "3",
         "members": [{"node_id": "a-1-0"}, {"node_id": "b-2-0", "rank": 1}],
@@ -63,7 +64,7 @@ def test_an_event_round_trips_as_readable_json() -> None:
         (b'{"kind": "EVENT_KIND_JOINED"}', "no schema_version: not written by etcd-elastic"),
         (
             b'{"schema_version": 9, "kind": "EVENT_KIND_JOINED"}',
-            "schema_version 9 is newer than this etcd-elastic understands (1); upgrade rdzvctl",
+            "schema_version 9 is newer than this etcd-elastic understands (2); upgrade rdzvctl",
         ),
         (b'{"schema_version": 1, "kind": 99}', "event kind 99 is unknown"),
         (b'{"schema_version": 1}', "event kind 0 is unknown"),
@@ -173,15 +174,20 @@ def _node(node_id: str, created: int) -> NodeInfo:
 
 
 def test_the_recorder_notes_each_key_once_and_a_new_key_as_a_new_join() -> None:
-    recorder = EventRecorder("lead-1-0")
+    recorder = EventRecorder("lead-1-0", wall_ms=lambda: 1000)
     state = RdzvState()
     recorder.appeared(state, {"a": _node("a", 5), "b": _node("b", 6)})
     recorder.appeared(state, {"a": _node("a", 5), "b": _node("b", 6)})  # a re-read
+    assert recorder.take() == []  # joins wait for the next commit
+    # A commit that completes no round writes them, one event each.
+    listed, actions = _commit(state, Action(ActionKind.ADD_TO_WAIT_LIST, ("a", "b")))
+    recorder.committed(state, listed, actions, 7)
     joined = recorder.take()
-    assert sorted((e.node_id, e.revision, e.written_by) for e in joined) == [
-        ("a", 5, "lead-1-0"), ("b", 6, "lead-1-0"),
+    assert sorted((e.node_id, e.revision, e.written_by, e.unix_ms) for e in joined) == [
+        ("a", 5, "lead-1-0", 1000), ("b", 6, "lead-1-0", 1000),
     ]  # fmt: skip
     recorder.appeared(state, {"b": _node("b", 20)})  # b's key went and came back
+    recorder.committed(state, state, (), 25)
     assert [(e.node_id, e.revision) for e in recorder.take()] == [("b", 20)]
     running = RdzvState(round=1, participants=("a", "b"))
     after, actions = _commit(running, Action(ActionKind.REMOVE_FROM_PARTICIPANTS, ("b",)))
@@ -189,6 +195,86 @@ def test_the_recorder_notes_each_key_once_and_a_new_key_as_a_new_join() -> None:
     (gone,) = recorder.take()
     assert (gone.node_id, gone.generation, gone.written_by) == ("b", 20, "lead-1-0")
     assert recorder.take() == []
+
+
+def test_a_round_carries_its_members_joins_instead_of_one_event_per_node() -> None:
+    times = iter([1000, 2000, 3000])
+    recorder = EventRecorder("a", wall_ms=lambda: next(times))
+    state = RdzvState()
+    recorder.appeared(state, {"a": _node("a", 5)})
+    recorder.appeared(state, {"b": _node("b", 6), "c": _node("c", 9)})
+    done, actions = _commit(state, Action(ActionKind.MARK_RENDEZVOUS_COMPLETE, ("b", "a")))
+    recorder.committed(state, done, actions, 12)
+    # One event for the members' joins and the round, not one more per member; c joined
+    # too but is no member of the round: its join is an event of its own.
+    c_joined, completed = recorder.take()
+    assert (c_joined.kind, c_joined.node_id, c_joined.revision) == ("joined", "c", 9)
+    assert completed.kind == "round_completed" and completed.members == ("b", "a")
+    assert (completed.member_generations, completed.member_joined_ms) == ((6, 5), (2000, 1000))
+    # The next round of the same keys lists them again; they joined once.
+    recorder.appeared(done, {})
+    again, actions = _commit(done, Action(ActionKind.MARK_RENDEZVOUS_COMPLETE, ("b", "a", "c")))
+    recorder.committed(done, again, actions, 20)
+    (second,) = recorder.take()
+    assert (second.member_generations, second.member_joined_ms) == ((6, 5, 9), (0, 0, 0))
+
+
+def test_readers_show_each_join_once_where_it_happened() -> None:
+    def stored(event: Event, written: int) -> Event:
+        return decode_event("k", encode_event(event), written)
+
+    round1 = Event(
+        "round_completed",
+        round=1,
+        members=("b", "a"),
+        revision=12,
+        unix_ms=5000,
+        member_generations=(6, 5),
+        member_joined_ms=(2000, 1000),
+        written_by="a",
+    )
+    c_joined = Event("joined", node_id="c", revision=9, unix_ms=3000)
+    round2 = Event(
+        "round_completed",
+        round=2,
+        members=("b", "a", "c"),
+        revision=20,
+        unix_ms=8000,
+        member_generations=(6, 5, 9),
+        member_joined_ms=(0, 0, 0),
+    )
+    # A new coordinator (failover) lists a again with its key's generation; b re-joined
+    # with a new key (generation 30).
+    round3 = Event(
+        "round_completed",
+        round=3,
+        members=("b", "a"),
+        revision=40,
+        unix_ms=9000,
+        member_generations=(30, 5),
+        member_joined_ms=(8500, 8600),
+    )
+    events = [stored(round1, 13), stored(c_joined, 14), stored(round2, 21), stored(round3, 41)]
+    shown = [(e.kind, e.node_id, e.round, e.revision, e.unix_ms) for e in expand_joins(events)]
+    assert shown == [
+        ("joined", "a", 0, 5, 1000),
+        ("joined", "b", 0, 6, 2000),
+        ("joined", "c", 0, 9, 3000),
+        ("round_completed", "", 1, 12, 5000),
+        ("round_completed", "", 2, 20, 8000),
+        ("joined", "b", 2, 30, 8500),
+        ("round_completed", "", 3, 40, 9000),
+    ]
+    assert event_line(expand_joins(events)[0], UTC).endswith("joined           a joined")
+
+
+def test_member_joins_that_do_not_match_the_members_are_refused() -> None:
+    raw = encode_event(Event("round_completed", round=1, members=("a", "b"),
+                             member_generations=(5,)))  # fmt: skip
+    with pytest.raises(
+        CorruptValueError, match=r"member joins \(\[5\], \[\]\) do not match 2 members"
+    ):
+        decode_event("k", raw)
 
 
 def test_one_line_per_event_with_the_cause_in_words() -> None:

@@ -129,9 +129,9 @@ def test_exchange_rejects_foreign_value() -> None:
 
 def test_publish_master_picks_free_port() -> None:
     store = HashStore()
-    got = _run_agents(3, lambda r: publish_master(store, r, "127.0.0.1"))
-    addr, port = got[0]  # type: ignore[misc]
-    assert addr == "127.0.0.1"
+    got = _run_agents(3, lambda r: publish_master(store, r, "127.0.0.1", agent_store=r == 0))
+    addr, port, agent_store = got[0]  # type: ignore[misc]
+    assert (addr, agent_store) == ("127.0.0.1", True)
     assert 0 < port < 65536
     assert got == [got[0]] * 3
 
@@ -139,12 +139,54 @@ def test_publish_master_picks_free_port() -> None:
 def test_publish_master_overrides() -> None:
     store = HashStore()
     got = _run_agents(2, lambda r: publish_master(store, r, "127.0.0.1", "10.1.2.3", 29500))
-    assert got == [("10.1.2.3", 29500)] * 2
+    assert got == [("10.1.2.3", 29500, False)] * 2
 
 
-def test_publish_master_rejects_bad_port() -> None:
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ('{"addr": "h", "port": 70000}', "store key 'etcd_elastic/master': not a TCP port: 70000"),
+        ('{"addr": "h", "port": "1"}', "store key 'etcd_elastic/master': field 'port' must be int"),
+        ("h:1", "store key 'etcd_elastic/master': not JSON"),
+    ],
+)
+def test_publish_master_rejects_what_no_agent_writes(value: str, message: str) -> None:
     store = HashStore()
-    store.set("etcd_elastic/master_addr", "h")
-    store.set("etcd_elastic/master_port", "x1")
-    with pytest.raises(ValueError, match=r"not a TCP port: 'x1'$"):
+    store.set("etcd_elastic/master", value)
+    with pytest.raises(ValueError) as err:
         publish_master(store, 1, None)
+    assert str(err.value).startswith(message)
+
+
+# -- ranks from the round's state (our handler): no store at all ----------------------------
+
+
+class NoStore:
+    """A store that fails the test if the exchange touches it."""
+
+    def __getattr__(self, name: str) -> object:
+        raise AssertionError(f"the exchange used the store ({name}) though the state said all")
+
+
+def test_ranks_from_the_state_are_the_store_exchange_s() -> None:
+    workers = (("a", 2), ("b", 1), ("a", 2), ("b", 3))
+    infos = [RoleInfo(role, r, size) for r, (role, size) in enumerate(workers)]
+    shared = HashStore()
+    through_store = _run_agents(4, lambda r: exchange_ranks(shared, infos[r], 4))
+    from_state = [exchange_ranks(NoStore(), info, 4, workers) for info in infos]  # type: ignore[arg-type]
+    assert from_state == through_store == [assign(infos)[r] for r in range(4)]
+
+
+def test_ranks_from_a_state_that_disagrees_with_the_agent_are_refused() -> None:
+    with pytest.raises(ValueError) as err:
+        exchange_ranks(NoStore(), RoleInfo("t", 1, 4), 2, (("t", 4), ("t", 8)))  # type: ignore[arg-type]
+    assert str(err.value) == (
+        "the round's state says group rank 1 runs 8 worker(s) of role 't', but this agent "
+        "runs 4 of role 't'; every agent of a run must report what it runs to its handler"
+    )
+
+
+def test_a_state_without_workers_falls_back_to_the_store() -> None:
+    store = HashStore()
+    got = _run_agents(2, lambda r: exchange_ranks(store, RoleInfo("t", r, 1), 2, ()))
+    assert got == [A(0, 2, 0, 2), A(1, 2, 1, 2)]

@@ -22,7 +22,7 @@ from coordinator.core.state import (
     encode_node,
     encode_state,
 )
-from coordinator.core.transitions import Action, ActionKind, apply
+from coordinator.core.transitions import Action, ActionKind, apply, workers_of
 
 KEY = "/etcd-elastic/job42/state"
 NODE_KEY = "/etcd-elastic/job42/nodes/host-a-100-0"
@@ -41,6 +41,7 @@ _FULL_STATE = RdzvState(
     master_port=29500,
     completed_at_unix_ms=1_700_000_000_123,
     written_by="host-a-100-0",
+    workers=(("trainer", 8), ("ps", 1), ("trainer", 8)),
     restarts=RestartCount(used=2, round=6, refunded=True),
 )
 
@@ -95,7 +96,7 @@ def test_zero_values_are_written() -> None:
 def test_encoded_state_is_readable_json_with_field_names() -> None:
     raw = encode_state(_FULL_STATE)
     doc = json.loads(raw.decode("utf-8"))
-    assert doc["schema_version"] == SCHEMA_VERSION == 3
+    assert doc["schema_version"] == SCHEMA_VERSION == 4
     assert doc["incarnation"] == "1"
     # protobuf's JSON mapping writes int64 as a string; zero values are written too
     # (rank 0, "closed": false), so an operator reading etcdctl output sees every field.
@@ -114,14 +115,51 @@ def test_encoded_state_is_readable_json_with_field_names() -> None:
     assert doc["master_addr"] == "10.0.0.1"
     assert doc["master_port"] == 29500
     assert doc["written_by"] == "host-a-100-0"
+    assert doc["worker_kinds"] == [
+        {"role": "trainer", "local_world_size": 8},
+        {"role": "ps", "local_world_size": 1},
+    ]
+    assert doc["worker_kind_of"] == [0, 1, 0]
     assert doc["restarts"] == {"used": "2", "round": "6", "refunded": True}
     assert b"\n" not in raw  # one line in `etcdctl get` output
+
+
+def test_workers_that_are_all_alike_are_one_kind_and_no_index() -> None:
+    state = RdzvState(round=1, participants=("a", "b", "c"), workers=(("t", 4),) * 3)
+    doc = json.loads(encode_state(state).decode("utf-8"))
+    assert doc["worker_kinds"] == [{"role": "t", "local_world_size": 4}]
+    assert doc["worker_kind_of"] == []
+    assert decode_state(KEY, encode_state(state)) == state
+
+
+@pytest.mark.parametrize(
+    ("workers", "stored"),
+    [
+        ((("t", 1), ("t", 0)), False),  # a record without its local world size
+        ((("", 1),), False),  # without its role
+        ((("r" * 129, 1),), False),
+        (tuple(("t", n) for n in range(1, 66)), False),  # 65 kinds
+        (tuple(("t", n) for n in range(1, 65)), True),  # 64 kinds
+    ],
+    ids=["size 0", "no role", "role too long", "65 kinds", "64 kinds"],
+)
+def test_workers_the_state_cannot_hold_are_left_out_by_the_coordinator(
+    workers: tuple[tuple[str, int], ...], stored: bool
+) -> None:
+    nodes = [
+        NodeInfo(f"n{i}", 1, role=role, local_world_size=size)
+        for i, (role, size) in enumerate(workers)
+    ]
+    chosen = workers_of(nodes)
+    assert chosen == (workers if stored else ())
+    state = RdzvState(round=1, participants=tuple(n.node_id for n in nodes), workers=chosen)
+    assert decode_state(KEY, encode_state(state)) == state
 
 
 def test_encoded_node_is_readable_json_with_field_names() -> None:
     doc = json.loads(encode_node(_FULL_NODE).decode("utf-8"))
     assert doc == {
-        "schema_version": 3,
+        "schema_version": 4,
         "node_id": "host-a-100-0",
         "addr": "10.0.0.1",
         "hostname": "host-a",
@@ -146,9 +184,9 @@ def test_values_of_schema_version_1_are_incarnation_1() -> None:
     assert decode_state(KEY, encode_state(again)).incarnation == 7
 
 
-def test_values_of_schema_version_2_count_no_restart() -> None:
+def test_values_before_schema_version_4_count_no_restart() -> None:
     """Written before the job's restart budget: nothing counted; always written since."""
-    old = {"schema_version": 2, "round": "3", "participants": [{"node_id": "a"}]}
+    old = {"schema_version": 3, "round": "3", "participants": [{"node_id": "a"}]}
     assert decode_state(KEY, _json(old)).restarts == RestartCount()
     doc = json.loads(encode_state(RdzvState()).decode("utf-8"))
     assert doc["restarts"] == {"used": "0", "round": "0", "refunded": False}
@@ -204,13 +242,13 @@ STATE_REFUSALS: list[tuple[str, bytes, str]] = [
      "no schema_version: not written by etcd-elastic"),
     ("schema_version 0", _json({"schema_version": 0, "round": "3"}),
      "no schema_version: not written by etcd-elastic"),
-    ("newer schema_version", _json({"schema_version": 4, "round": "3"}),
-     "schema_version 4 is newer than this etcd-elastic understands (3); "
+    ("newer schema_version", _json({"schema_version": 5, "round": "3"}),
+     "schema_version 5 is newer than this etcd-elastic understands (4); "
      "upgrade every agent of the run"),
-    ("negative restarts used", _json({"schema_version": 3, "round": "3",
+    ("negative restarts used", _json({"schema_version": 4, "round": "3",
      "restarts": {"used": "-1", "round": "2"}}),
      "restarts: -1 used, last counted in round 2: not a count of rounds 0..3"),
-    ("restarts counted in a round not reached", _json({"schema_version": 3, "round": "3",
+    ("restarts counted in a round not reached", _json({"schema_version": 4, "round": "3",
      "restarts": {"used": "1", "round": "4"}}),
      "restarts: 1 used, last counted in round 4: not a count of rounds 0..3"),
     ("ranks not from 0", _json({"schema_version": 1, "round": "1",
@@ -231,6 +269,22 @@ STATE_REFUSALS: list[tuple[str, bytes, str]] = [
      "master_port 70000 is not a TCP port (1..65535)"),
     ("negative master_port", _json({"schema_version": 1, "master_port": -1}),
      "master_port -1 is not a TCP port (1..65535)"),
+    ("worker index without kinds", _json({"schema_version": 3, "round": "1",
+     "participants": [{"node_id": "a"}], "worker_kind_of": [0]}),
+     "worker_kind_of without worker_kinds"),
+    ("worker index out of range", _json({"schema_version": 3, "round": "1",
+     "participants": [{"node_id": "a"}, {"node_id": "b", "rank": 1}],
+     "worker_kinds": [{"role": "t", "local_world_size": 1},
+                      {"role": "u", "local_world_size": 1}], "worker_kind_of": [0, 2]}),
+     "worker_kind_of has 2 entries for 2 participants and 2 worker kinds"),
+    ("worker index too short", _json({"schema_version": 3, "round": "1",
+     "participants": [{"node_id": "a"}, {"node_id": "b", "rank": 1}],
+     "worker_kinds": [{"role": "t", "local_world_size": 1},
+                      {"role": "u", "local_world_size": 1}], "worker_kind_of": [0]}),
+     "worker_kind_of has 1 entries for 2 participants"),
+    ("worker kind of size 0", _json({"schema_version": 3, "round": "1",
+     "participants": [{"node_id": "a"}], "worker_kinds": [{"role": "t"}]}),
+     "worker_kinds [('t', 0)]... are not what a node runs"),
 ]  # fmt: skip
 
 
@@ -290,7 +344,7 @@ NODE_REFUSALS: list[tuple[str, bytes, str]] = [
     ("no schema_version", _json({"node_id": "a", "wanted_round": "1"}),
      "no schema_version: not written by etcd-elastic"),
     ("newer schema_version", _json({"schema_version": 9, "node_id": "a"}),
-     "schema_version 9 is newer than this etcd-elastic understands (3); "
+     "schema_version 9 is newer than this etcd-elastic understands (4); "
      "upgrade every agent of the run"),
     ("negative wanted_round", _json({"schema_version": 1, "wanted_round": "-2"}),
      "negative wanted_round -2"),
@@ -335,10 +389,13 @@ def test_state_of_10000_nodes_fits_one_etcd_request(waiting: int, spares: int, l
         master_port=29500,
         completed_at_unix_ms=1_700_000_000_000,
         written_by=ids[0],
+        # The most the state holds of what each node runs: 64 kinds, neighbours differ.
+        workers=tuple((f"role-{'x' * 120}-{i % 8}", 1 + i % 64) for i in range(10_000)),
     )
     raw = encode_state(state)
     print(
-        f"encoded state: 10000 participants, {waiting} waiting, {spares} spares, {lost} lost: "
+        f"encoded state: 10000 participants (64 worker kinds), {waiting} waiting, {spares} "
+        f"spares, {lost} lost: "
         f"{len(raw)} bytes ({len(raw) / ETCD_MAX_REQUEST:.0%} of etcd's 1.5 MiB request limit)"
     )
     # Keep room for the key, the compare and the transaction framing.

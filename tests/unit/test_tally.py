@@ -70,7 +70,8 @@ def test_a_completed_round_counts_survivors_lost_and_lists() -> None:
         "n6": _node("n6", 2),  # draining: alive but not eligible
         "n7": _node("n7", 2),  # a newcomer not listed yet
     }
-    # n2 was lost already (not newly); n4 and n5 left their lists; n0 and n7 and n3 join.
+    # n2 was lost already (not newly); n4 and n5 left their lists; n0 and n7 and n3 join;
+    # n0 is a returning participant not listed; n3 waits, alive.
     assert tally_of(state, nodes) == Tally(
         total=5,
         joiners=3,
@@ -80,6 +81,8 @@ def test_a_completed_round_counts_survivors_lost_and_lists() -> None:
         gone_listed=2,
         newly_lost=0,
         left_draining=0,
+        unlisted_returning=1,
+        waiting_live=1,
     )
 
 

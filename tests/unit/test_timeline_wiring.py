@@ -81,12 +81,13 @@ def test_a_handler_without_a_timeline_or_quarantine_is_left_alone() -> None:
     plain = ForeignSurface()
     assert quarantine_recorded(plain) is None
     record_faults(plain, ("a",), "hung", 1, "x")  # no error, nothing to record
-    record_health(plain, "a", 1, "x")
+    record_health(plain, 1, "x")
 
 
-def test_each_node_records_its_own_check_result_once_per_round() -> None:
+def test_the_judge_records_the_round_s_check_once() -> None:
     h, rdzv = handler()
-    record_health(rdzv, "n1", 4, "node 0 n1 (host-a): devices cpu, ...; passed")
+    record_health(rdzv, 4, "2 of 3 node(s) passed; failed: n1 (matmul 5.02 s)")
     (event,) = h.events
-    assert event_id(event) == "health_checked/n1/4"
-    assert event.summary.endswith("passed")
+    assert event_id(event) == "health_checked/run/4"
+    assert (event.node_id, event.round) == ("", 4)
+    assert event.summary.startswith("2 of 3 node(s) passed")

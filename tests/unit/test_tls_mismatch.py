@@ -5,13 +5,14 @@ mapping, and that run_with_failover stops at once on a mismatch certain to repea
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import grpc
 import pytest
 
 from coordinator.core.errors import EtcdConnectionError, EtcdTLSError
 from coordinator.core.etcd_client import _Ring, run_with_failover
-from coordinator.core.etcd_client._failover import TlsSide, tls_mismatch
+from coordinator.core.etcd_client._failover import TlsSide, endpoint_mismatch, tls_mismatch
 
 EP = "127.0.0.1:2379"
 _PREFIX = "failed to connect to all addresses; last error: "
@@ -144,7 +145,12 @@ class _Failed(grpc.RpcError):
         return self._details
 
 
-def _run(details_by_index: dict[int, str], side: TlsSide, budget: float) -> tuple[Exception, int]:
+def _run(
+    details_by_index: dict[int, str],
+    side: TlsSide,
+    budget: float,
+    serves_tls: Callable[[str, float], bool] = lambda endpoint, timeout: False,
+) -> tuple[Exception, int]:
     calls = []
     now = [0.0]
 
@@ -157,7 +163,7 @@ def _run(details_by_index: dict[int, str], side: TlsSide, budget: float) -> tupl
         run_with_failover(
             attempt, _Ring(["h1:1", "h2:2"], 0), what="get", request_timeout=1.0,
             budget=budget, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s),
-            rng=random.Random(0), side=side,
+            rng=random.Random(0), side=side, probe=serves_tls,
         )  # fmt: skip
     return info.value, len(calls)
 
@@ -176,7 +182,39 @@ def test_a_member_that_fails_otherwise_keeps_the_call_retrying_for_its_budget() 
     assert str(error).startswith("the certificate of etcd at https://h1:1 is not signed")
 
 
-def test_plain_http_against_tls_retries_then_says_so() -> None:
+def test_plain_http_cut_off_by_members_that_do_not_answer_tls_retries_then_says_so() -> None:
+    # Members going away cut plain http off too: without a TLS handshake answered, the
+    # call keeps trying for its budget.
     error, calls = _run({0: SOCKET_CLOSED, 1: SOCKET_CLOSED}, TlsSide("http"), budget=5.0)
     assert calls > 10 and type(error) is EtcdTLSError
     assert str(error).startswith("etcd at http://h1:1, http://h2:2 closed the connection")
+
+
+def test_plain_http_cut_off_by_members_that_answer_tls_ends_the_call_at_once() -> None:
+    probed: list[str] = []
+
+    def serves_tls(endpoint: str, timeout: float) -> bool:
+        probed.append(endpoint)
+        return True
+
+    side = TlsSide("http")
+    error, calls = _run({0: SOCKET_CLOSED, 1: SOCKET_CLOSED}, side, 60.0, serves_tls)
+    assert (calls, probed, type(error)) == (2, ["h1:1", "h2:2"], EtcdTLSError)
+    assert str(error) == (
+        "etcd at http://h1:1, http://h2:2 closed the connection before answering plain "
+        "http: it most likely serves TLS; use https:// endpoints (etcdrun: protocol=https,"
+        "ca_cert=FILE; rdzvctl: --ca-cert)"
+    )
+
+
+def test_a_member_is_asked_for_tls_only_when_plain_http_was_cut_off() -> None:
+    asked: list[str] = []
+
+    def serves_tls(endpoint: str, timeout: float) -> bool:
+        asked.append(endpoint)
+        return True
+
+    refused = "failed to connect to all addresses; last error: Connection refused"
+    assert endpoint_mismatch(refused, "h1:1", TlsSide("http"), 1.0, serves_tls) is None
+    assert endpoint_mismatch(UNKNOWN_CA, "h1:1", HTTPS, 1.0, serves_tls) is not None
+    assert asked == []

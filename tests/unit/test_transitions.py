@@ -176,6 +176,13 @@ COORD_CASES: list[
      _wait(15.0, _act(K.ADD_TO_WAIT_LIST, "ab"))),
     ("reopen: some back completes at the deadline", _round1(wait_list=("a", "b")),
      _nodes(2, "ab", c=1), 15.0, 15.0, _done(_complete("ab"))),
+    ("reopen: once one waits, the others back are not listed (no write per node)",
+     _round1(wait_list=("a",)), _nodes(2, "ab", c=1), 5.0, None, _wait(15.0)),
+    ("reopen: the one that waited left: the others back are listed",
+     _round1(wait_list=("d",)), _nodes(2, "ab", c=1), 5.0, None,
+     _wait(15.0, _act(K.REMOVE_FROM_WAIT_LIST, "d"), _act(K.ADD_TO_WAIT_LIST, "ab"))),
+    ("reopen: a newcomer is listed though one waits", _round1(wait_list=("a",)),
+     _nodes(2, "abd", c=1), 5.0, None, _wait(15.0, _act(K.ADD_TO_WAIT_LIST, "d"))),
     ("reopen: one back is below min", _round1(), _nodes(2, "a", b=1, c=1), 5.0, None,
      _wait(None, _act(K.ADD_TO_WAIT_LIST, "a"))),
     ("reopen: back below min, the others lost", _round1(), _nodes(2, "a"), 5.0, None,
@@ -524,3 +531,24 @@ def test_a_drained_node_leaves_and_the_others_reform_without_it() -> None:
     assert decide_coordinator(forming, _nodes(1, "a"), LIM, 0.0, None) == _done(
         _act(K.REMOVE_FROM_DRAINING, "x")
     )
+
+
+def test_a_restart_of_n_nodes_coming_back_one_by_one_commits_twice_not_n_times() -> None:
+    """Each commit is a state write that every node hears: one per returning node was
+    O(N) writes and O(N²) watch events per restart (2,175 events at N = 64)."""
+    n = 50
+    ids = tuple(f"n{i:02d}" for i in range(n))
+    state = RdzvState(round=1, participants=ids)
+    nodes = {node: NodeInfo(node, 1, create_revision=i + 1) for i, node in enumerate(ids)}
+    limits = Limits(n, n, 30.0)
+    commits = []
+    deadline: float | None = None
+    for node in ids:  # the first node's worker failed; the others follow one by one
+        nodes[node] = dataclasses.replace(nodes[node], wanted_round=2)
+        decision = decide_coordinator(state, nodes, limits, 1.0, deadline)
+        deadline = decision.last_call_deadline
+        if decision.actions:
+            commits.append(tuple(a.kind for a in decision.actions))
+            state = apply(state, decision.actions)
+    assert commits == [(K.ADD_TO_WAIT_LIST,), (K.MARK_RENDEZVOUS_COMPLETE,)]
+    assert state.round == 2 and state.participants == ids and state.wait_list == ()

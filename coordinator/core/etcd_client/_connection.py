@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import grpc
-from etcd3 import etcdrpc
 
-from coordinator.core.errors import EtcdAuthError, EtcdConnectionError, EtcdTLSError, LeaseLostError
+from coordinator.core.errors import EtcdAuthError, EtcdConnectionError, LeaseLostError
+from coordinator.core.etcd_client._etcdrpc import etcdrpc
 from coordinator.core.etcd_client._failover import (
     AUTH_DISABLED,
     AUTH_FAILED,
@@ -31,6 +31,7 @@ from coordinator.core.etcd_client._failover import (
     run_with_failover,
 )
 from coordinator.core.etcd_client._observer import EtcdObserver, Observed
+from coordinator.core.etcd_client._tls_files import TlsFiles
 from coordinator.core.etcd_client._types import EtcdConfig, key_text
 
 __all__ = ["Metadata", "StreamEnd", "_Connection", "_stream_metadata"]
@@ -54,19 +55,6 @@ _CHANNEL_OPTIONS = (
 )
 
 
-def _read_tls_file(what: str, path: str | None) -> bytes | None:
-    if path is None:
-        return None
-    try:
-        with open(path, "rb") as handle:
-            return handle.read()
-    except OSError as exc:
-        raise EtcdTLSError(
-            f"cannot read the TLS {what} file {path!r}: {exc.strerror or exc}; "
-            "check the path and its permissions"
-        ) from exc
-
-
 @dataclass(frozen=True)
 class _Stubs:
     kv: Any
@@ -76,31 +64,36 @@ class _Stubs:
 
 
 class _Channels:
-    """One gRPC channel per endpoint, opened on first use."""
+    """One gRPC channel per endpoint, opened on first use; with TLS, opened again on the
+    renewed files once they change (:mod:`._tls_files`). A channel left for new files
+    stays open for the streams still on it (closing it would cut them) until close()."""
 
     def __init__(self, config: EtcdConfig) -> None:
         self._config = config
-        self._creds: Any = None
-        if config.protocol == "https":
-            self._creds = grpc.ssl_channel_credentials(
-                root_certificates=_read_tls_file("CA certificate", config.ca_cert),
-                private_key=_read_tls_file("client key", config.cert_key),
-                certificate_chain=_read_tls_file("client certificate", config.cert),
-            )
+        self._tls = (
+            TlsFiles(config.ca_cert, config.cert, config.cert_key)
+            if config.protocol == "https"
+            else None
+        )
         self._lock = threading.Lock()
         self._open: dict[int, tuple[Any, _Stubs]] = {}
+        self._retired: list[Any] = []
         self._closed = False
 
     def stubs(self, index: int) -> _Stubs:
         with self._lock:
             if self._closed:
                 raise EtcdConnectionError("the etcd client is closed; create a new one")
+            if self._tls is not None and self._tls.renewed():
+                self._retired += [channel for channel, _ in self._open.values()]
+                self._open.clear()
             if index not in self._open:
                 target = self._config.endpoints[index]
-                if self._creds is None:
+                if self._tls is None:
                     channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
                 else:
-                    channel = grpc.secure_channel(target, self._creds, options=_CHANNEL_OPTIONS)
+                    creds = self._tls.credentials
+                    channel = grpc.secure_channel(target, creds, options=_CHANNEL_OPTIONS)
                 stubs = _Stubs(
                     kv=etcdrpc.KVStub(channel),
                     lease=etcdrpc.LeaseStub(channel),
@@ -113,8 +106,9 @@ class _Channels:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            channels = [channel for channel, _ in self._open.values()]
+            channels = [channel for channel, _ in self._open.values()] + self._retired
             self._open.clear()
+            self._retired.clear()
         for channel in channels:
             channel.close()
 

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import grpc
 
 from coordinator.core.errors import EtcdConnectionError, EtcdTLSError
+from coordinator.core.etcd_client._tls_probe import serves_tls
 
 __all__ = [
     "AUTH_DISABLED",
@@ -30,9 +31,13 @@ __all__ = [
     "_status",
     "backoff_delay",
     "classify_status",
+    "endpoint_mismatch",
     "run_with_failover",
     "tls_mismatch",
 ]
+
+Probe = Callable[[str, float], bool]
+"""Whether the member at an endpoint serves TLS, asked within a timeout (seconds)."""
 
 T = TypeVar("T")
 
@@ -130,8 +135,9 @@ def tls_mismatch(
     Returns the message (naming ``endpoints`` as URLs and the likely fix) and whether the
     failure is certain to repeat (a certificate refused), as opposed to a connection
     closed at once, which a plain-http client sees from a TLS server but also from a
-    member going away. The strings matched are grpc's (1.6x, BoringSSL), observed
-    against real etcd 3.5 servers (tests/unit/test_tls_mismatch.py pins each).
+    member going away (:func:`endpoint_mismatch` settles that one). The strings matched
+    are grpc's (1.6x, BoringSSL), observed against real etcd 3.5 servers
+    (tests/unit/test_tls_mismatch.py pins each).
     """
     text = details.lower()
     urls = ", ".join(f"{side.protocol}://{endpoint}" for endpoint in endpoints)
@@ -183,6 +189,19 @@ def tls_mismatch(
         )
         return (f"etcd at {urls} refused the client certificate {side.cert}: {why}", True)
     return None
+
+
+def endpoint_mismatch(
+    details: str, name: str, side: TlsSide, timeout: float, probe: Probe = serves_tls
+) -> tuple[str, bool] | None:
+    """:func:`tls_mismatch` of one failure of endpoint ``name``. Plain http cut off by the
+    member is uncertain from the failure alone (a member going away does that too): then
+    the member is asked for a TLS handshake (:func:`._tls_probe.serves_tls`), and one
+    that answers it makes the mismatch certain."""
+    mismatch = tls_mismatch(details, [name], side)
+    if mismatch is not None and not mismatch[1] and probe(name, timeout):
+        return mismatch[0], True
+    return mismatch
 
 
 def unreachable(
@@ -259,6 +278,7 @@ def run_with_failover(
     sleep: Callable[[float], None],
     rng: random.Random,
     side: TlsSide | None = None,
+    probe: Probe = serves_tls,
 ) -> T:
     """Run ``attempt(endpoint_index, timeout)`` until it returns, failing over on errors.
 
@@ -266,8 +286,9 @@ def run_with_failover(
     at once; after every endpoint failed in a row it waits :func:`backoff_delay`. It gives
     up when ``budget`` seconds have passed and every endpoint was tried at least once.
     Any other ``grpc.RpcError`` is re-raised for the caller to translate. A TLS mismatch
-    certain to repeat (see :func:`tls_mismatch`, given ``side``) ends the call as soon as
-    every endpoint has refused: retrying would only hide it for the whole budget.
+    certain to repeat (see :func:`endpoint_mismatch`, given ``side``; ``probe`` asks a
+    member whether it serves TLS) ends the call as soon as every endpoint has refused:
+    retrying would only hide it for the whole budget.
 
     Raises:
         EtcdConnectionError: no endpoint answered (or ``EtcdTLSError`` when the last
@@ -293,7 +314,7 @@ def run_with_failover(
             ring.failed(index)
             failures += 1
             if side is not None:
-                mismatch = tls_mismatch(details, [name], side)
+                mismatch = endpoint_mismatch(details, name, side, timeout, probe)
                 if mismatch is None:
                     mismatched.pop(name, None)
                 else:

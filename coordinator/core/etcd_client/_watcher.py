@@ -10,10 +10,10 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from etcd3 import etcdrpc
 
-from coordinator.core.errors import EtcdAuthError, EtcdConnectionError
+from coordinator.core.errors import EtcdAuthError, EtcdConnectionError, EtcdTLSError
 from coordinator.core.etcd_client._connection import Metadata, StreamEnd, _stream_metadata
+from coordinator.core.etcd_client._etcdrpc import etcdrpc
 from coordinator.core.etcd_client._failover import (
     PERMISSION,
     REAUTH,
@@ -23,7 +23,7 @@ from coordinator.core.etcd_client._failover import (
     _status,
     backoff_delay,
     classify_status,
-    tls_mismatch,
+    endpoint_mismatch,
     unreachable,
 )
 from coordinator.core.etcd_client._observer import NO_ANSWER, STREAM_ENDED
@@ -222,6 +222,12 @@ class _Watcher:
             # The credentials are refused: no retry can help these watches.
             self._fail_all(exc)
             return StreamEnd(RETRY, metadata, answered)
+        except EtcdTLSError as exc:
+            # Authenticating (a user is configured) met a TLS mismatch, judged as the
+            # stream's own failures are: a watch waiting for confirmation hears it now.
+            self._broke(name, str(exc))
+            self._end_unconfirmed(exc)
+            return StreamEnd(RETRY, metadata, answered)
         except (EtcdConnectionError, ValueError) as exc:
             self._broke(name, f"cannot connect: {exc}")
             return StreamEnd(RETRY, metadata, answered)
@@ -267,7 +273,7 @@ class _Watcher:
     def _failed(self, name: str, code: Any, details: str) -> None:
         config = self._client.config
         side = TlsSide(config.protocol, config.ca_cert, config.cert)
-        mismatch = tls_mismatch(details, [name], side)
+        mismatch = endpoint_mismatch(details, name, side, config.request_timeout)
         with self._cond:
             if name not in self._tried:
                 self._tried.append(name)
@@ -284,13 +290,18 @@ class _Watcher:
             # still waiting for etcd's confirmation hears it now, not after its budget.
             # Watches already running keep retrying (a member may get its certificate
             # fixed under a running job).
-            error = unreachable("watch", 0.0, tried, name, code, details, side, tried)
-            with self._cond:
-                waiting = [state for state in self._watches if not state.created.is_set()]
-                for state in waiting:
-                    self._forget(state, tell_etcd=False)
+            self._end_unconfirmed(
+                unreachable("watch", 0.0, tried, name, code, details, side, tried)
+            )
+
+    def _end_unconfirmed(self, error: Exception) -> None:
+        """End every watch still waiting for etcd's confirmation with ``error``."""
+        with self._cond:
+            waiting = [state for state in self._watches if not state.created.is_set()]
             for state in waiting:
-                state.end(error)
+                self._forget(state, tell_etcd=False)
+        for state in waiting:
+            state.end(error)
 
     def _broke(self, name: str, why: str) -> None:
         if self._closed:

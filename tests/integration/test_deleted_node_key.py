@@ -1,0 +1,76 @@
+"""A node key deleted under a live lease, with that node in the coordinator's place
+(issue 21 item 5).
+
+An operator's ``etcdctl del`` removes a node's key while its lease lives. The node writes
+its key again on its next join, on the same lease, and etcd gives the key a new create
+revision. The node used to keep the old one: in the election it then ranked itself
+older than every live key, took the duty, and fenced itself out of every commit with
+the old revision, while the other nodes waited behind its real (new) key. Once that key
+was the oldest, no round completed. Here it is: the coordinator's key is deleted, the
+other node of its round gone, and a newcomer joins after the coordinator wrote its key
+again.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from coordinator.core.etcd_client import EtcdClient, EtcdConfig
+from coordinator.etcd_server import EtcdCluster
+from coordinator.torch_adapter.handler import EtcdRendezvousHandler
+from tests.rdzv_helpers import Joins, make_handler, wait_until
+
+pytestmark = pytest.mark.integration
+
+SHORT = {"join_timeout": 20}
+
+
+def _key_of(handler: EtcdRendezvousHandler) -> bytes:
+    return handler._keys.node(handler.node_id)
+
+
+def test_a_coordinator_whose_key_was_deleted_coordinates_with_its_new_key(
+    etcd1: EtcdCluster, run_id: str, handlers: list[EtcdRendezvousHandler]
+) -> None:
+    a, b = make_handler(etcd1, run_id, 2, 2, **SHORT), make_handler(etcd1, run_id, 2, 2, **SHORT)
+    handlers += [a, b]
+    with EtcdClient(EtcdConfig(tuple(etcd1.endpoints))) as operator:
+        # a's key is the oldest: a coordinates.
+        first = Joins([a]).start()
+        wait_until(lambda: operator.get(_key_of(a))[0] is not None, 30, "a's key")
+        Joins([b]).start().infos()
+        first.infos()
+        wait_until(lambda: a.is_coordinator, 30, "a to coordinate")
+        parts = a._current()
+        assert parts is not None
+        old = parts.member.current()
+        assert old is not None
+
+        b.leave()  # the other node of the round goes ...
+        operator.delete(_key_of(a))  # ... and an operator deletes a's key; a's lease lives
+        # a's duty commits b's departure and is fenced out (its key is gone).
+        wait_until(lambda: parts.duty.fenced_out >= 1, 30, "a's commit to be fenced out")
+        time.sleep(1.0)  # what a duty spinning on its stale key would fill with commits
+        assert parts.duty.fenced_out == 1, (
+            f"the duty kept leading with a key it knew was gone: {parts.duty.fenced_out} "
+            "commits fenced out"
+        )
+        assert not parts.member.lost()  # the same lease throughout
+
+        again = Joins([a]).start()  # a re-rendezvouses: it writes its key again ...
+        wait_until(lambda: operator.get(_key_of(a))[0] is not None, 30, "a's new key")
+        kv, _ = operator.get(_key_of(a))
+        assert kv is not None and kv.create_revision > old.create_revision
+        c = make_handler(etcd1, run_id, 2, 2, **SHORT)  # ... before c joins: a is oldest
+        handlers.append(c)
+        joined = Joins([c]).start().infos(60)
+        rejoined = again.infos(60)
+
+    assert (rejoined[0].rank, joined[0].rank) == (0, 1)
+    assert a.last_round == c.last_round == 2
+    assert a._current() is parts  # one participation, one lease: only the key is new
+    now = parts.member.current()
+    assert now is not None and now.create_revision == kv.create_revision
+    assert a.is_coordinator
