@@ -16,7 +16,8 @@ worker exit 1 once (a marker file in the checkpoint folder remembers it happened
 error file gets the traceback; ``--sleep-per-step`` keeps the job running while a test
 changes the membership; ``--report`` appends one JSON line per worker and attempt;
 ``--checkpoint-on-signal SIGUSR1`` saves this rank's state and exits 0 on that signal
-(what a preempted worker does with etcdrun's ``--drain-signal``); ``--hang-once-at-step``
+(what a preempted worker does with etcdrun's ``--drain-signal``); ``--hold-at-epoch E
+--hold-file F`` waits at epoch E until F exists; ``--hang-once-at-step``
 /``--hang-rank`` make one worker sleep for an hour inside that (global) step once, after
 the step's collectives and before it reports the step: what etcdrun's ``--hang-timeout``
 detects.
@@ -102,6 +103,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hang-once-at-step", type=int, default=None, metavar="N")
     parser.add_argument("--hang-rank", type=int, default=0, metavar="R")
     parser.add_argument("--report", type=Path, default=None, metavar="FILE")
+    parser.add_argument("--hold-at-epoch", type=int, default=None, metavar="E",
+                        help="wait at the start of epoch E until --hold-file exists (a test "
+                        "keeps the job there until the membership it waits for formed)")
+    parser.add_argument("--hold-file", type=Path, default=None, metavar="FILE")
     parser.add_argument("--checkpoint-on-signal", default=None, metavar="SIGNAL",
                         help="on this signal (e.g. SIGUSR1, etcdrun's --drain-signal), save "
                         "this rank's state as drained-rank<R>.pt in --checkpoint-dir and "
@@ -111,6 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--epochs and --steps-per-epoch must be at least 1")
     if args.fail_once_at_epoch is not None and args.checkpoint_dir is None:
         parser.error("--fail-once-at-epoch needs --checkpoint-dir (it keeps the marker file)")
+    if (args.hold_at_epoch is None) != (args.hold_file is None):
+        parser.error("--hold-at-epoch and --hold-file go together")
     if args.hang_once_at_step is not None and args.checkpoint_dir is None:
         parser.error("--hang-once-at-step needs --checkpoint-dir (it keeps the marker file)")
     return args
@@ -338,6 +345,9 @@ def main(argv: list[str] | None = None) -> None:
         loss_fn = nn.MSELoss()
         for epoch in range(start_epoch, args.epochs):
             fail_once(args, epoch, rank)
+            if epoch == args.hold_at_epoch:
+                while not args.hold_file.exists():
+                    time.sleep(0.05)
             total = torch.zeros(1, device=device)
             for step in range(args.steps_per_epoch):
                 x, y = batch(args.seed, epoch, step, rank, device)

@@ -70,7 +70,9 @@ def test_two_agents_of_two_workers_train_to_the_end(agents: Agents, tmp_path: Pa
     """Scenario 1; agent b is frozen while the workers finish, so a reaches the exit
     barrier first and closes the run only once b got there too: both exit 0."""
     report = tmp_path / "report.jsonl"
-    conf = ["--nnodes=2", "--nproc-per-node=2", "--rdzv-conf=lease_ttl=15"]
+    # b's lease must outlive its freeze, which lasts as long as the workers take to finish:
+    # on a loaded machine that was over 15 s, and a's round then lost b (a re-formation).
+    conf = ["--nnodes=2", "--nproc-per-node=2", "--rdzv-conf=lease_ttl=120"]
     a = agents.start("a", conf, _script(tmp_path))
     b = agents.start("b", conf, _script(tmp_path))
     wait_for("4 workers", lambda: len(read_report(report)) >= 4, STARTED, diagnose=agents.logs)
@@ -235,12 +237,16 @@ def test_a_third_agent_scales_the_job_up_without_counting_a_restart(
     count, resumed from the checkpoint, finished."""
     report = tmp_path / "report.jsonl"
     conf = ["--nnodes=1:4", "--nproc-per-node=2", "--rdzv-conf=last_call_timeout=5"]
-    script = _script(tmp_path, "--sleep-per-step", "0.15", epochs=16)
+    # The job waits at epoch 2 until the third agent is in: however long that agent takes
+    # to start on a loaded machine, the job cannot finish without it.
+    go = tmp_path / "go"
+    script = _script(tmp_path, "--hold-at-epoch", "2", "--hold-file", str(go), epochs=16)
     agents.start("a", conf, script)
     agents.start("b", conf, script)
     wait_for("a world of 4", lambda: len(_world(report, 4)) == 4, STARTED, diagnose=agents.logs)
     agents.start("c", conf, script)
     wait_for("a world of 6", lambda: len(_world(report, 6)) == 6, JOB, diagnose=agents.logs)
+    go.touch()
     for agent in agents.procs:
         assert agent.wait(JOB) == 0, agents.logs()
     six = _world(report, 6)
