@@ -42,6 +42,7 @@ from agent.cli.values import (
 from agent.config import LaunchConfig
 from coordinator.core.errors import ConfigError
 from coordinator.core.keys import validate_run_id
+from coordinator.core.log_level import LOGLEVEL_ENV, log_level
 from coordinator.core.settings import RendezvousSettings, parse_endpoints
 from coordinator.etcd_server import EtcdBinaryNotFoundError, EtcdStartError
 
@@ -421,11 +422,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         etcd or the metrics endpoint could not start, 130 after Ctrl-C. Bad command
         lines exit with code 2 via ``SystemExit`` before anything starts.
     """
+    try:
+        level = log_level(os.environ.get(LOGLEVEL_ENV), "INFO")
+    except ValueError as exc:
+        print(f"etcdrun: error: {exc}", file=sys.stderr)
+        return 2
     if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=os.environ.get("LOGLEVEL", "INFO").upper(),
-            format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
-        )
+        logging.basicConfig(level=level, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
     config = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         with contextlib.ExitStack() as stack:

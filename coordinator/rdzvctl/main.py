@@ -25,7 +25,8 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from coordinator.rdzvctl.cli import EXIT_OK, PROG, Options, parse_args
+from coordinator.core.log_level import LOGLEVEL_ENV, log_level
+from coordinator.rdzvctl.cli import EXIT_BAD_ARGS, EXIT_OK, PROG, Options, parse_args
 
 __all__ = ["main", "run_command"]
 
@@ -39,11 +40,13 @@ def run_command(opts: Options, out: TextIO, err: TextIO) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``rdzvctl`` program. Returns the exit code (see the module docstring)."""
+    try:
+        level = log_level(os.environ.get(LOGLEVEL_ENV), "ERROR")
+    except ValueError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_ARGS
     if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=os.environ.get("LOGLEVEL", "ERROR").upper(),
-            format=f"{PROG}: %(levelname)s %(name)s: %(message)s",
-        )
+        logging.basicConfig(level=level, format=f"{PROG}: %(levelname)s %(name)s: %(message)s")
     # gRPC's C core logs each refused TLS handshake to stderr on its own (grpc >= 1.6x);
     # our error is the one line that names the endpoint and the fix. Set before grpc
     # loads (parse_args may load it); GRPC_VERBOSITY=INFO or DEBUG brings them back.
