@@ -22,6 +22,7 @@ wait without an exception raised into an RPC.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -59,6 +60,7 @@ from agent.observe.metrics import RunMetrics, running_workers
 from agent.observe.recording import RoundRecorder
 from agent.observe.timeline import quarantine_recorded, record_faults, record_restart
 from agent.store import Store
+from agent.workers.bootstrap import BootstrapHost, BootstrapTicket
 from agent.workers.errorfile import Failure, root_cause
 from agent.workers.group import (
     WorkerGroup,
@@ -128,7 +130,9 @@ class Agent:
         self._group_rank = -1
         self._group_world_size = 0
         self._store: Store | None = None
-        self._bootstrap: object | None = None
+        # The workers' bootstrap store (group rank 0): one server at a time, released
+        # before each formation so a fixed --master-port is free for the next round.
+        self._bootstrap = BootstrapHost()
         self._group: WorkerGroup | None = None
         self._warm = WarmPool(
             config.warm_modules, enabled=config.warm_start, depth=config.warm_pool_size
@@ -252,6 +256,7 @@ class Agent:
             self._warm.close()
             if self._preflight is not None:
                 self._preflight.close()
+            self._bootstrap.release()
             if unsubscribe is not None:
                 unsubscribe()
             self._history.exited(code)
@@ -458,19 +463,28 @@ class Agent:
         """Rendezvous until a round forms whose ranks this node agreed; None if stopped."""
         while True:
             log.info("%s: joining the next rendezvous round", self._ctx())
+            # The last round's workers are stopped: its server goes, and only this
+            # formation may host the next one.
+            ticket = self._bootstrap.next_formation()
             phase: Phase[Formed] = Phase(
                 "rendezvous",
-                lambda p: form_round(self._handler, self._rdzv, self._config, p, self._preflight),
+                functools.partial(self._form_body, ticket=ticket),
                 self.wake,
             )
             changed = formation_changed(self._handler, self._rdzv) if self._push_events else None
             try:
-                return self._phases.run(phase, changed)
+                formed = self._phases.run(phase, changed)
+                if formed is None:
+                    self._bootstrap.release()  # stopped: nothing abandoned may bind now
+                return formed
             except MembershipChanged as exc:
                 where = "" if isinstance(exc, HealthCheckFailed) else " during the rank exchange"
                 log.info("%s: %s%s; joining the next round (not counted)", self._ctx(), exc, where)
             finally:
                 self._history.health(self._preflight)
+
+    def _form_body(self, phase: Phase[Formed], *, ticket: BootstrapTicket) -> Formed:
+        return form_round(self._handler, self._rdzv, self._config, phase, ticket, self._preflight)
 
     def _start_round(self) -> bool:
         """Rendezvous, agree on ranks and master, start the workers; False if stopped."""
@@ -488,8 +502,6 @@ class Agent:
         )
         group_rank, group_world_size = formed.info.rank, formed.info.world_size
         self._store, self._group_rank = formed.store, group_rank
-        # This round's bootstrap store (group rank 0); the last round's server stops here.
-        self._bootstrap = formed.bootstrap_server
         if self._budget.settle(group_world_size):
             log.info(
                 "%s: the group shrank to %d nodes: the worker failure followed a node's "
