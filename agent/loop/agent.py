@@ -9,8 +9,9 @@ a step by the pure :func:`agent.loop.policy.next_step`.
 Where it departs from torch's agent: a node that gives up closes the run with its root
 cause as the reason (mode ``failed``) before stopping its workers, and a node whose run
 is closed that way stops its workers at once and prints the reason in one line (a
-``drain`` close lets the attempt finish); a node stopped by a signal leaves the
-rendezvous before stopping its workers; a rendezvous error ends the agent with one
+``drain`` close lets the attempt finish); a node stopped by a signal passes it to its
+workers first and leaves the rendezvous while they stop (etcd may not answer for a
+while; the workers' grace must not wait for it); a rendezvous error ends the agent with one
 ``etcdrun: error:`` line and never closes the run; a counted restart is given back when
 the next round has fewer nodes (:func:`agent.loop.policy.restart_refunded`).
 
@@ -30,7 +31,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TextIO
 
 from torch.distributed.elastic.rendezvous import (
@@ -240,14 +241,10 @@ class Agent:
             else:
                 signum = self._stop_signal or signal.SIGTERM
                 log.warning("%s: stopping workers on signal %d", self._ctx(), signum)
-                # Leave first (ours: revoke the lease): the other nodes restart at once for
-                # a membership change, not counted, instead of seeing their collectives
-                # fail when our workers go (a counted restart) and only then our key.
-                leave(self._rdzv, self._ctx())
                 # Pass the signal on, as torch does: a script may treat SIGINT apart (or
                 # the early warning, when one is configured).
                 first = self._config.drain_signal or signal.Signals(signum)
-                self._stop_group(first, reason="stop")
+                self._signal_then_leave(first)
                 code = signal_exit_code(signum)
             return code
         finally:
@@ -260,6 +257,20 @@ class Agent:
             if unsubscribe is not None:
                 unsubscribe()
             self._history.exited(code)
+
+    def _signal_then_leave(self, first: signal.Signals) -> None:
+        """Signal the workers first, and leave the run (ours: revoke the lease) while
+        they stop. Leaving flushes events, records the departure and revokes the lease:
+        20 s and more while etcd does not answer, which under a scheduler's 30 s grace
+        would come out of the workers' time to checkpoint. With etcd up the revoke
+        (milliseconds) still lands before the workers are gone, so the other nodes
+        re-form for a membership change; a counted restart they see is refunded when
+        their next round is smaller (:func:`agent.loop.policy.restart_refunded`)."""
+        leaving = threading.Thread(
+            target=leave, args=(self._rdzv, self._ctx()), name="agent-leave", daemon=True
+        )
+        self._stop_group(first, reason="stop", then=leaving.start)
+        leaving.join()
 
     def _prepare_warm_pool(self) -> None:
         """Start a warm interpreter per local worker and let it import before this node
@@ -452,12 +463,21 @@ class Agent:
     def _name(self) -> str:
         return self._config.entrypoint
 
-    def _stop_group(self, sig: signal.Signals = signal.SIGTERM, *, reason: str) -> None:
+    def _stop_group(
+        self,
+        sig: signal.Signals = signal.SIGTERM,
+        *,
+        reason: str,
+        then: Callable[[], None] | None = None,
+    ) -> None:
+        """Stop the workers; ``then`` runs once they were signalled (at once if none run)."""
         self._hang.pause()  # stopped workers make no progress: judge none
         group = self._group
         if group is not None and group.state() is not WorkerState.STOPPED:
-            group.stop(self._config.stop_grace_period, sig)
+            group.stop(self._config.stop_grace_period, sig, then=then)
             self._history.stopped(reason)
+        elif then is not None:
+            then()
 
     def _form(self) -> Formed | None:
         """Rendezvous until a round forms whose ranks this node agreed; None if stopped."""
