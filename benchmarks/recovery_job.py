@@ -56,6 +56,7 @@ class JobSpec:
         min_nodes: int,
         lease_ttl: int,
         external_store: bool = False,
+        max_restarts: int = 3,
     ) -> None:
         self.system = system
         self.external_store = external_store
@@ -65,6 +66,7 @@ class JobSpec:
         self.nproc = nproc
         self.min_nodes = min_nodes
         self.lease_ttl = lease_ttl
+        self.max_restarts = max_restarts
 
     def argv(self, out: Path, checkpoint: Path) -> list[str]:
         """One agent's command line."""
@@ -76,7 +78,7 @@ class JobSpec:
             f"--nproc-per-node={self.nproc}",
             f"--rdzv-endpoint={self.endpoint}",
             f"--rdzv-id={self.run_id}",
-            "--max-restarts=3",
+            f"--max-restarts={self.max_restarts}",
         ]
         tail = [str(WORKER_SCRIPT), str(out), str(checkpoint)]
         if self.system == "etcd-v3":

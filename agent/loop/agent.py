@@ -273,18 +273,27 @@ class Agent:
         leaving.join()
 
     def _prepare_warm_pool(self) -> None:
-        """Start a warm interpreter per local worker and let it import before this node
-        joins: a node that joins a running job makes every other node restart, and they
-        would then wait for this node's workers to import torch; joining with them ready
-        costs the others a warm restart only. The wait is what the first workers' import
-        would take anyway, at most ``_WARM_BEFORE_JOIN_S``; a stop request or a
-        membership event ends it."""
+        """Start the whole warm pool (every interpreter of every local worker at once: no
+        worker runs yet) and let it import before this node joins: a node that joins a
+        running job makes every other node restart, and they would then wait for this
+        node's workers to import torch; and a worker that crashes in its first seconds
+        finds a spare ready, as a late crash does. The wait is at most
+        ``_WARM_BEFORE_JOIN_S``; a stop request or a membership event ends it. A run that
+        trained and now lacks nodes (fewer than ``min_nodes`` alive) is not kept waiting:
+        this node joins at once and its first workers take the interpreters as they
+        become ready."""
         templates = warm_templates(self._config, {**self._base_env, NODE_ENV: self._history.node})
-        self._warm.refill(templates)
+        self._warm.refill(templates, at_once=True)
         if not self._warm.enabled:
             return
+        if self._rdzv.needs_nodes():
+            log.info(
+                "%s: the run waits for nodes to reach min_nodes: joining at once, before the "
+                "warm interpreters are ready", self._ctx(),
+            )  # fmt: skip
+            return
         started = time.monotonic()
-        full = self._warm.wait_ready(_WARM_BEFORE_JOIN_S, self._wake)
+        full = self._warm.wait_ready(_WARM_BEFORE_JOIN_S, self._wake, every=self._warm.depth)
         log.info(
             "%s: warm interpreters %s after %.1f s",
             self._ctx(), "ready" if full else "not all ready", time.monotonic() - started,

@@ -67,6 +67,7 @@ def test_durations_and_targets_fit_their_kind(ttl: float) -> None:
             "newcomer",
             "formation_fault",
             "rank_exchange_fault",
+            "warm_import_stuck",
         ):
             assert 0 <= f.target < n_agents, f
         else:
