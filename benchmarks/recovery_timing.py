@@ -88,7 +88,8 @@ def _one_run(endpoint: str, checkpoint: Path, lease_ttl: int, gap: float, timeou
         for name in ("second", "third"):
             time.sleep(max(0.0, t_fail + gap - time.monotonic()))
             t_fail, got[name] = _crash(job, _NPROC, timeout)
-        return got, settled
+        slow = max(b.total for b in got.values()) > _TARGET_FACTOR * max(got["steady"].total, 1.0)
+        return got, settled, job.log_tail(30) if slow else ""
     except RunError as exc:
         raise RunError(f"{exc}\n{job.log_tail()}") from None
     finally:
@@ -109,7 +110,7 @@ def crash_timing(args: argparse.Namespace) -> dict[str, Any]:
         system.start()
         for index in range(args.repeat):
             try:
-                got, settled = _one_run(
+                got, settled, tail = _one_run(
                     system.endpoint(), checkpoint, args.lease_ttl, gap, args.timeout
                 )
             except RunError as exc:
@@ -118,6 +119,7 @@ def crash_timing(args: argparse.Namespace) -> dict[str, Any]:
             runs.append(
                 {
                     "quiet_before_steady": settled,
+                    **({"agent_log_tail": tail} if tail else {}),
                     **{
                         name: {
                             "total": round(b.total, 4),
