@@ -11,9 +11,12 @@
     join again, and the job train again.
 ``warm_import_stuck``
     One agent's next warm interpreter hangs in its import (``chaos_stall``, using no
-    CPU). A worker of that agent is killed (the refill after it hangs), then killed again
-    twice, each time once the job trained again: the last restarts find no spare but the
-    stuck one, and must not wait for it.
+    CPU). Once that agent's pool is full, a worker of it is killed (the refill after that
+    restart hangs), then killed again (the restart takes the spares: the stuck import
+    must not disturb it), then once more when the agent holds a ready spare per worker
+    again: that spare can only be one started beside the stuck import, which the pool
+    must do since no CPU moves in it (before, the stuck import blocked every refill and
+    the restart waited 30 s for it).
 
 Each records ``trigger`` events naming what it saw; the checker holds every restart of
 these kinds to the node-loss bound (``TIMED_RESTARTS``; for ``warm_import_stuck`` each
@@ -28,16 +31,20 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agent.observe.journal import JournalWriter
+from agent.workers.warm_interpreter import cpu_ticks
 from tests.chaos.etcd_ops import EtcdOps, HarnessError
 from tests.chaos.fleet import Fleet, Slot
 from tests.chaos.scheduler import Fault
 from tests.chaos.tail import HistoryTail
+from tests.e2e.agents import descendants
+
+if TYPE_CHECKING:
+    from tests.chaos.faults import Timing
 
 __all__ = ["EdgeFaults"]
-
-_KILLS = 3  # worker kills of warm_import_stuck
 
 
 class EdgeFaults:
@@ -45,6 +52,8 @@ class EdgeFaults:
 
     fleet: Fleet
     etcd: EtcdOps
+    timing: Timing
+    nproc: int
     tail: HistoryTail
     history: JournalWriter
     run_prefix: str
@@ -54,9 +63,6 @@ class EdgeFaults:
         raise NotImplementedError
 
     def _until(self, done: Callable[[], bool], timeout: float) -> bool:
-        raise NotImplementedError
-
-    def _recovered_after(self, since: float) -> bool:
         raise NotImplementedError
 
     def _kill_worker_of(self, slot: Slot) -> None:
@@ -89,23 +95,63 @@ class EdgeFaults:
     def _warm_import_stuck(self, fault: Fault) -> None:
         slot = self._target(fault.target)
         assert slot.agent is not None
-        arm = self.stall_dir / f"stall-{slot.agent.pid}"
+        agent = slot.agent.pid
+        arm = self.stall_dir / f"stall-{agent}"
         taken = arm.with_name(arm.name + ".taken")
         start = time.monotonic()
+        wait_s = self.timing.settle_timeout_s
+
+        def note(what: str) -> None:
+            self.history.record(
+                "trigger", index=fault.index, what=what,
+                after_s=round(time.monotonic() - start, 3),
+            )  # fmt: skip
+
+        full = self._until(lambda: self._ready_spares(agent, 0) >= 2 * self.nproc, wait_s)
+        note("the agent's warm pool is full" if full else "the agent's pool did not fill")
         arm.write_text("")
         try:
-            for kill in range(_KILLS):
-                since = time.monotonic()
-                self._kill_worker_of(slot)
-                if kill == 0:
-                    # The refill after this restart imports (after its deferral): it hangs.
-                    stuck = self._until(taken.exists, 60.0)
-                    self.history.record(
-                        "trigger", index=fault.index,
-                        what="a warm import hangs" if stuck else "no warm import hung",
-                        after_s=round(time.monotonic() - start, 3),
-                    )  # fmt: skip
-                if kill < _KILLS - 1 and not self._recovered_after(since):
-                    raise HarnessError("the job did not train again after a worker kill")
+            self._kill_worker_of(slot)  # the refill after this restart imports: it hangs
+            hung = self._until(lambda: taken.exists() and taken.read_text().isdigit(), 90.0)
+            note("a warm import hangs" if hung else "no warm import hung")
+            stuck = int(taken.read_text()) if hung else 0
+            self._until(lambda: self.tail.stepped_since(start), wait_s)
+            since = time.monotonic()
+            self._kill_worker_of(slot)  # takes the spares
+            self._until(lambda: self.tail.stepped_since(since), wait_s)
+            spares = self._until(lambda: self._ready_spares(agent, stuck) >= self.nproc, wait_s)
+            note("a spare beside the stuck import" if spares else "no spare beside it")
+            since = time.monotonic()
+            self._kill_worker_of(slot)  # must not wait for the stuck import
+            # The runner settles from the fault's start: the job must train after this
+            # kill before the next fault comes.
+            self._until(lambda: self.tail.stepped_since(since), wait_s)
         finally:
             arm.unlink(missing_ok=True)
+
+    def _ready_spares(self, agent_pid: int, stuck: int) -> int:
+        """Warm interpreters under ``agent_pid`` that wait, ready (no CPU used over one
+        second: one still importing always uses some), the stuck one aside."""
+        self.tail.poll()
+        workers = set(self.tail.workers_of(agent_pid))
+        warm = [
+            p for p in descendants(agent_pid)
+            if p not in workers and p != stuck and _mentions(p, b"warm_process")
+        ]  # fmt: skip
+        before = {p: _ticks(p) for p in warm}
+        time.sleep(1.0)
+        return sum(1 for p in warm if before[p] is not None and _ticks(p) == before[p])
+
+
+def _ticks(pid: int) -> int | None:
+    try:
+        return cpu_ticks(pid)
+    except OSError:
+        return None
+
+
+def _mentions(pid: int, needle: bytes) -> bool:
+    try:
+        return needle in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
