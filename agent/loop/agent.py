@@ -283,14 +283,17 @@ class Agent:
         this node joins at once and its first workers take the interpreters as they
         become ready."""
         templates = warm_templates(self._config, {**self._base_env, NODE_ENV: self._history.node})
-        self._warm.refill(templates, at_once=True)
-        if not self._warm.enabled:
-            return
-        if self._rdzv.needs_nodes():
+        if self._warm.enabled and self._rdzv.needs_nodes():
+            # One import per worker first, as a refill does: the spares importing beside
+            # them would slow the imports the first workers wait for.
+            self._warm.refill(templates)
             log.info(
                 "%s: the run waits for nodes to reach min_nodes: joining at once, before the "
                 "warm interpreters are ready", self._ctx(),
             )  # fmt: skip
+            return
+        self._warm.refill(templates, at_once=True)
+        if not self._warm.enabled:
             return
         started = time.monotonic()
         full = self._warm.wait_ready(_WARM_BEFORE_JOIN_S, self._wake, every=self._warm.depth)

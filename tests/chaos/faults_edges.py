@@ -109,6 +109,7 @@ class EdgeFaults:
 
         full = self._until(lambda: self._ready_spares(agent, 0) >= 2 * self.nproc, wait_s)
         note("the agent's warm pool is full" if full else "the agent's pool did not fill")
+        taken.unlink(missing_ok=True)  # an earlier fault's on this agent
         arm.write_text("")
         try:
             self._kill_worker_of(slot)  # the refill after this restart imports: it hangs
