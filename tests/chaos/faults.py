@@ -283,14 +283,7 @@ class FaultRunner(EdgeFaults):
         self._remove(self._target(fault.target), signal.SIGTERM)
 
     def _worker_sigkill(self, fault: Fault) -> None:
-        slot = self._target(fault.target)
-        agent_pid = slot.agent.pid if slot.agent is not None else -1
-        workers = self.fleet.live_workers(slot)
-        if not workers:
-            raise HarnessError(f"agent slot {fault.target} has no live worker to kill")
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(workers[-1], signal.SIGKILL)
-        self.history.record("worker_killed", worker_pid=workers[-1], agent_pid=agent_pid)
+        self._kill_worker_of(self._target(fault.target))
 
     def _compaction_defrag(self, fault: Fault) -> None:
         self.etcd.compact_defrag()
