@@ -2,7 +2,8 @@
 
 Scenarios: formation, scale-up, node-loss, worker-failure, idle, etcd-ceiling, and
 ``all`` (every scenario, then docs/performance.md, its JSON and its PNG plot); and
-``recovery`` (a real torch worker: failure to first step, not part of ``all``).
+``recovery`` (a real torch worker: failure to first step, not part of ``all``) and
+``crash-timing`` (the same worker: an early crash, a steady one and a burst, ours only).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from benchmarks.recovery import print_human
 
         print_human(result)
-    elif args.json or args.scenario == "all":
+    elif args.json or args.scenario in ("all", "crash-timing"):
         json.dump(result, sys.stdout, indent=2, sort_keys=False)
         sys.stdout.write("\n")
     else:

@@ -45,6 +45,7 @@ from agent.loop.ending import exit_barrier
 from agent.loop.launches import resolve_master
 from agent.loop.ranks import RoleInfo, exchange_ranks
 from agent.observe.timeline import record_health
+from agent.workers.bootstrap import BootstrapHost
 from benchmarks.etcd_counts import RequestCounter, count_watches, delta, server_counts
 from benchmarks.systems import benchmark_etcd_binary
 from coordinator.core.etcd_client import EtcdClient, EtcdConfig
@@ -123,7 +124,7 @@ class Fleet:
         ]
         self.infos: list[Any] = [None] * n  # RendezvousInfo by group rank
         self.by_rank: list[EtcdRendezvousHandler] = []
-        self.servers: dict[int, Any] = {}  # rank 0's bootstrap store, up for the round
+        self.servers: dict[int, BootstrapHost] = {}  # rank 0's bootstrap store, up for the round
 
     def close(self) -> None:
         for handler in self.handlers:
@@ -187,6 +188,8 @@ class Fleet:
         self.by_rank = [handlers[node] for node in self.handlers[0].last_members]
         for info in infos:
             self.infos[info.rank] = info
+        for host in self.servers.values():
+            host.release()  # the last round's bootstrap store stops listening
         self.servers = {}
         return PhaseCost(delta(before, after))
 
@@ -203,8 +206,8 @@ class Fleet:
     def master(self, i: int) -> tuple[str, int]:
         config = LaunchConfig(min_nodes=self.n, max_nodes=self.n, nproc_per_node=1,
                               entrypoint="x", local_addr="127.0.0.1")  # fmt: skip
-        got = resolve_master(config, self.infos[i], self.infos[i].store, i)
-        self.servers[i] = got.server
+        host = self.servers.setdefault(i, BootstrapHost())
+        got = resolve_master(config, self.infos[i], self.infos[i].store, i, host.next_formation())
         return got.addr, got.port
 
     def preflight(self, i: int) -> bool:

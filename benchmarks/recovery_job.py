@@ -56,6 +56,7 @@ class JobSpec:
         min_nodes: int,
         lease_ttl: int,
         external_store: bool = False,
+        max_restarts: int = 3,
     ) -> None:
         self.system = system
         self.external_store = external_store
@@ -65,6 +66,7 @@ class JobSpec:
         self.nproc = nproc
         self.min_nodes = min_nodes
         self.lease_ttl = lease_ttl
+        self.max_restarts = max_restarts
 
     def argv(self, out: Path, checkpoint: Path) -> list[str]:
         """One agent's command line."""
@@ -76,7 +78,7 @@ class JobSpec:
             f"--nproc-per-node={self.nproc}",
             f"--rdzv-endpoint={self.endpoint}",
             f"--rdzv-id={self.run_id}",
-            "--max-restarts=3",
+            f"--max-restarts={self.max_restarts}",
         ]
         tail = [str(WORKER_SCRIPT), str(out), str(checkpoint)]
         if self.system == "etcd-v3":
@@ -206,17 +208,21 @@ class Job:
         """Wait until the job is quiet; False if it was not within ``_SETTLE_MAX_S``.
 
         Quiet: at least ``idle_interpreters`` warm interpreters (ours) wait under the
-        agents beside the workers, and the job's processes used less than
-        ``_QUIET_CORES`` of a core over ``_QUIET_WINDOW_S``.
+        agents beside the workers, each using no CPU over ``_QUIET_WINDOW_S`` (one still
+        importing always uses some, however loaded the machine: a share of the job's CPU
+        alone cannot tell it on a busy machine), and the job's processes used less than
+        ``_QUIET_CORES`` of a core over the window.
         """
         stop = min(deadline, time.monotonic() + _SETTLE_MAX_S)
         while time.monotonic() < stop:
             pids = descendants([a.pid for a in self.agents])
             workers = {w.pid for w in self.workers()}
-            idle = sum(1 for p in pids if p not in workers and _cmdline_has(p, "warm_process"))
-            before = sum(self._cpu(p) for p in pids)
+            warm = [p for p in pids if p not in workers and _cmdline_has(p, "warm_process")]
+            cpu = {p: self._cpu(p) for p in pids}
             time.sleep(_QUIET_WINDOW_S)
-            used = sum(self._cpu(p) for p in pids) - before
+            after = {p: self._cpu(p) for p in pids}
+            used = sum(after.values()) - sum(cpu.values())
+            idle = sum(1 for p in warm if after[p] == cpu[p])
             if idle >= idle_interpreters and used < _QUIET_CORES * _QUIET_WINDOW_S:
                 return True
             self._check_alive("the job to go quiet")

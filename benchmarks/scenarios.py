@@ -203,6 +203,12 @@ def recovery(args: argparse.Namespace) -> Result:
     return run(args)
 
 
+def crash_timing(args: argparse.Namespace) -> Result:
+    from benchmarks.recovery_timing import crash_timing as run
+
+    return run(args)
+
+
 def etcd_ceiling(args: argparse.Namespace) -> Result:
     from benchmarks.ceiling import etcd_ceiling as run
 
@@ -217,6 +223,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "idle": idle,
     "etcd-ceiling": etcd_ceiling,
     "recovery": recovery,
+    "crash-timing": crash_timing,
 }
 
 

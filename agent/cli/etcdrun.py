@@ -27,6 +27,7 @@ from agent.cli.configure import BACKENDS, build_config, timeout_findings, warn_i
 from agent.cli.parser import build_parser, from_environment
 from agent.cli.values import UsageError
 from agent.config import LaunchConfig
+from coordinator.core.log_level import LOGLEVEL_ENV, log_level
 from coordinator.etcd_server import EtcdBinaryNotFoundError, EtcdStartError
 
 if TYPE_CHECKING:
@@ -135,11 +136,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         etcd or the metrics endpoint could not start, 130 after Ctrl-C. Bad command
         lines exit with code 2 via ``SystemExit`` before anything starts.
     """
+    try:
+        level = log_level(os.environ.get(LOGLEVEL_ENV), "INFO")
+    except ValueError as exc:
+        print(f"etcdrun: error: {exc}", file=sys.stderr)
+        return 2
     if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=os.environ.get("LOGLEVEL", "INFO").upper(),
-            format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
-        )
+        logging.basicConfig(level=level, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
     config = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         with contextlib.ExitStack() as stack:

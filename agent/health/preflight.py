@@ -32,6 +32,7 @@ from agent.errors import MembershipChanged
 from agent.health.exchange import exchange_results
 from agent.health.verdict import NodeResult, Thresholds, Verdict, decode_result
 from agent.store import Store
+from agent.workers.group import without_secrets
 from coordinator.core.lifeline import Spawned, spawn
 from coordinator.core.state import Quarantine
 
@@ -57,13 +58,14 @@ class CheckProcess:
     """One check subprocess, started ahead; used once.
 
     Args:
-        env: its environment (the workers' base environment: same devices, same paths).
+        env: its environment (the workers' base environment: same devices, same paths),
+            less the etcd password, as a worker's (:func:`without_secrets`).
     """
 
     def __init__(self, env: Mapping[str, str]) -> None:
         self._spawned: Spawned = spawn(
             [sys.executable, "-u", "-m", "agent.health.check_worker"],
-            env=dict(env),
+            env=without_secrets(env),
             # Our package first on sys.path, whatever the job's working directory holds.
             cwd=_PACKAGE_ROOT,
             stdin=subprocess.PIPE,

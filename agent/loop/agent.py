@@ -9,8 +9,9 @@ a step by the pure :func:`agent.loop.policy.next_step`.
 Where it departs from torch's agent: a node that gives up closes the run with its root
 cause as the reason (mode ``failed``) before stopping its workers, and a node whose run
 is closed that way stops its workers at once and prints the reason in one line (a
-``drain`` close lets the attempt finish); a node stopped by a signal leaves the
-rendezvous before stopping its workers; a rendezvous error ends the agent with one
+``drain`` close lets the attempt finish); a node stopped by a signal passes it to its
+workers first and leaves the rendezvous while they stop (etcd may not answer for a
+while; the workers' grace must not wait for it); a rendezvous error ends the agent with one
 ``etcdrun: error:`` line and never closes the run; ``--max-restarts`` is the job's budget
 with our rendezvous, counted once per round whichever nodes see the failure
 (:mod:`agent.loop.budget`), and a counted restart is given back when the next round has
@@ -24,6 +25,7 @@ wait without an exception raised into an RPC.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -31,7 +33,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TextIO
 
 from torch.distributed.elastic.rendezvous import (
@@ -62,6 +64,7 @@ from agent.observe.metrics import RunMetrics, running_workers
 from agent.observe.recording import RoundRecorder
 from agent.observe.timeline import quarantine_recorded, record_faults, record_restart
 from agent.store import Store
+from agent.workers.bootstrap import BootstrapHost, BootstrapTicket
 from agent.workers.errorfile import Failure, root_cause
 from agent.workers.group import (
     WorkerGroup,
@@ -132,7 +135,9 @@ class Agent:
         self._group_rank = -1
         self._group_world_size = 0
         self._store: Store | None = None
-        self._bootstrap: object | None = None
+        # The workers' bootstrap store (group rank 0): one server at a time, released
+        # before each formation so a fixed --master-port is free for the next round.
+        self._bootstrap = BootstrapHost()
         self._group: WorkerGroup | None = None
         self._warm = WarmPool(
             config.warm_modules, enabled=config.warm_start, depth=config.warm_pool_size
@@ -240,14 +245,10 @@ class Agent:
             else:
                 signum = self._stop_signal or signal.SIGTERM
                 log.warning("%s: stopping workers on signal %d", self._ctx(), signum)
-                # Leave first (ours: revoke the lease): the other nodes restart at once for
-                # a membership change, not counted, instead of seeing their collectives
-                # fail when our workers go (a counted restart) and only then our key.
-                leave(self._rdzv, self._ctx())
                 # Pass the signal on, as torch does: a script may treat SIGINT apart (or
                 # the early warning, when one is configured).
                 first = self._config.drain_signal or signal.Signals(signum)
-                self._stop_group(first, reason="stop")
+                self._signal_then_leave(first)
                 code = signal_exit_code(signum)
             return code
         finally:
@@ -256,23 +257,50 @@ class Agent:
             self._warm.close()
             if self._preflight is not None:
                 self._preflight.close()
+            self._bootstrap.release()
             if unsubscribe is not None:
                 unsubscribe()
             self._history.exited(code)
 
+    def _signal_then_leave(self, first: signal.Signals) -> None:
+        """Signal the workers first, and leave the run (ours: revoke the lease) while
+        they stop. Leaving flushes events, records the departure and revokes the lease:
+        20 s and more while etcd does not answer, which under a scheduler's 30 s grace
+        would come out of the workers' time to checkpoint. With etcd up the revoke
+        (milliseconds) still lands before the workers are gone, so the other nodes
+        re-form for a membership change; a counted restart they see is refunded when
+        their next round is smaller (:func:`agent.loop.policy.restart_refunded`)."""
+        leaving = threading.Thread(
+            target=leave, args=(self._rdzv, self._ctx()), name="agent-leave", daemon=True
+        )
+        self._stop_group(first, reason="stop", then=leaving.start)
+        leaving.join()
+
     def _prepare_warm_pool(self) -> None:
-        """Start a warm interpreter per local worker and let it import before this node
-        joins: a node that joins a running job makes every other node restart, and they
-        would then wait for this node's workers to import torch; joining with them ready
-        costs the others a warm restart only. The wait is what the first workers' import
-        would take anyway, at most ``_WARM_BEFORE_JOIN_S``; a stop request or a
-        membership event ends it."""
+        """Start the whole warm pool (every interpreter of every local worker at once: no
+        worker runs yet) and let it import before this node joins: a node that joins a
+        running job makes every other node restart, and they would then wait for this
+        node's workers to import torch; and a worker that crashes in its first seconds
+        finds a spare ready, as a late crash does. The wait is at most
+        ``_WARM_BEFORE_JOIN_S``; a stop request or a membership event ends it. A run that
+        trained and now lacks nodes (fewer than ``min_nodes`` alive) is not kept waiting:
+        this node joins at once and its first workers take the interpreters as they
+        become ready."""
         templates = warm_templates(self._config, {**self._base_env, NODE_ENV: self._history.node})
-        self._warm.refill(templates)
+        if self._warm.enabled and self._rdzv.needs_nodes():
+            # One import per worker first, as a refill does: the spares importing beside
+            # them would slow the imports the first workers wait for.
+            self._warm.refill(templates)
+            log.info(
+                "%s: the run waits for nodes to reach min_nodes: joining at once, before the "
+                "warm interpreters are ready", self._ctx(),
+            )  # fmt: skip
+            return
+        self._warm.refill(templates, at_once=True)
         if not self._warm.enabled:
             return
         started = time.monotonic()
-        full = self._warm.wait_ready(_WARM_BEFORE_JOIN_S, self._wake)
+        full = self._warm.wait_ready(_WARM_BEFORE_JOIN_S, self._wake, every=self._warm.depth)
         log.info(
             "%s: warm interpreters %s after %.1f s",
             self._ctx(), "ready" if full else "not all ready", time.monotonic() - started,
@@ -452,30 +480,48 @@ class Agent:
     def _name(self) -> str:
         return self._config.entrypoint
 
-    def _stop_group(self, sig: signal.Signals = signal.SIGTERM, *, reason: str) -> None:
+    def _stop_group(
+        self,
+        sig: signal.Signals = signal.SIGTERM,
+        *,
+        reason: str,
+        then: Callable[[], None] | None = None,
+    ) -> None:
+        """Stop the workers; ``then`` runs once they were signalled (at once if none run)."""
         self._hang.pause()  # stopped workers make no progress: judge none
         group = self._group
         if group is not None and group.state() is not WorkerState.STOPPED:
-            group.stop(self._config.stop_grace_period, sig)
+            group.stop(self._config.stop_grace_period, sig, then=then)
             self._history.stopped(reason)
+        elif then is not None:
+            then()
 
     def _form(self) -> Formed | None:
         """Rendezvous until a round forms whose ranks this node agreed; None if stopped."""
         while True:
             log.info("%s: joining the next rendezvous round", self._ctx())
+            # The last round's workers are stopped: its server goes, and only this
+            # formation may host the next one.
+            ticket = self._bootstrap.next_formation()
             phase: Phase[Formed] = Phase(
                 "rendezvous",
-                lambda p: form_round(self._handler, self._rdzv, self._config, p, self._preflight),
+                functools.partial(self._form_body, ticket=ticket),
                 self.wake,
             )
             changed = formation_changed(self._handler, self._rdzv) if self._push_events else None
             try:
-                return self._phases.run(phase, changed)
+                formed = self._phases.run(phase, changed)
+                if formed is None:
+                    self._bootstrap.release()  # stopped: nothing abandoned may bind now
+                return formed
             except MembershipChanged as exc:
                 where = "" if isinstance(exc, HealthCheckFailed) else " during the rank exchange"
                 log.info("%s: %s%s; joining the next round (not counted)", self._ctx(), exc, where)
             finally:
                 self._history.health(self._preflight)
+
+    def _form_body(self, phase: Phase[Formed], *, ticket: BootstrapTicket) -> Formed:
+        return form_round(self._handler, self._rdzv, self._config, phase, ticket, self._preflight)
 
     def _start_round(self) -> bool:
         """Rendezvous, agree on ranks and master, start the workers; False if stopped."""
@@ -493,8 +539,6 @@ class Agent:
         )
         group_rank, group_world_size = formed.info.rank, formed.info.world_size
         self._store, self._group_rank = formed.store, group_rank
-        # This round's bootstrap store (group rank 0); the last round's server stops here.
-        self._bootstrap = formed.bootstrap_server
         if self._budget.settle(group_world_size):
             log.info(
                 "%s: the group shrank to %d nodes: the worker failure followed a node's "

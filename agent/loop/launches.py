@@ -13,7 +13,7 @@ from typing import Any
 from agent.config import LaunchConfig
 from agent.loop.ranks import Assignment, publish_master
 from agent.store import Store
-from agent.workers.bootstrap import host_bootstrap_store
+from agent.workers.bootstrap import BootstrapTicket
 from agent.workers.group import GroupInfo, build_argv, worker_env
 from agent.workers.launch import WorkerLaunch, WorkerRanks
 from agent.workers.logs import LogSpec, console_prefix, plan_attempt
@@ -23,17 +23,22 @@ __all__ = ["Master", "build_launches", "resolve_master", "warm_templates"]
 
 @dataclass(frozen=True)
 class Master:
-    """Where this round's workers bootstrap: ``server`` is the store this agent hosts
-    for them (group rank 0, ours), kept alive for the round; None elsewhere."""
+    """Where this round's workers bootstrap (the store itself, when this agent hosts it,
+    is held by the :class:`~agent.workers.bootstrap.BootstrapHost`)."""
 
     addr: str
     port: int
     agent_store: bool
-    server: Any = None
 
 
 def resolve_master(
-    config: LaunchConfig, info: Any, store: Store, group_rank: int, *, handler_store: bool = False
+    config: LaunchConfig,
+    info: Any,
+    store: Store,
+    group_rank: int,
+    host: BootstrapTicket,
+    *,
+    handler_store: bool = False,
 ) -> Master:
     """MASTER_ADDR/MASTER_PORT of the round. When the handler hosts the workers' store
     itself (``handler_store``: torch's c10d handler with its agent store), its bootstrap
@@ -43,8 +48,12 @@ def resolve_master(
     handler's suggested port (ours: one rank 0's node found free when it joined) is not
     used: nothing listens on it until a worker binds it, and it can be taken in between.
 
+    Args:
+        host: where group rank 0 hosts the store (its formation's ticket).
+
     Raises:
-        BootstrapStoreError: group rank 0 cannot listen on ``--master-port``.
+        BootstrapStoreError: group rank 0 cannot listen on ``--master-port``, or the
+            formation was abandoned (:class:`~agent.workers.bootstrap.BootstrapSuperseded`).
         ValueError: a published value is not what an agent writes.
     """
     bootstrap = getattr(info, "bootstrap_store_info", None)
@@ -55,17 +64,15 @@ def resolve_master(
             config.master_port or bootstrap.master_port,
             agent_store=True,
         )
-    server = None
     port = config.master_port
     if group_rank == 0:
         addr = config.master_addr or config.local_addr or socket.getfqdn()
-        server = host_bootstrap_store(addr, config.master_port)
-        port = server.port
+        port = host.serve(addr, config.master_port)
     addr, port, agent_store = publish_master(
         store, group_rank, config.local_addr, config.master_addr, port,
         agent_store=group_rank == 0,
     )  # fmt: skip
-    return Master(addr, port, agent_store=agent_store, server=server)
+    return Master(addr, port, agent_store=agent_store)
 
 
 def build_launches(

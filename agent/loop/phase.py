@@ -45,6 +45,10 @@ class Phase(Generic[T]):
         self._abandoned = False
         self._stage = "started"
         self._on_abandon: Callable[[], None] | None = None
+        # Orders mark() against abandon(): a way to end the phase given after it was
+        # abandoned runs at once (else a late stage, e.g. a pre-flight check started
+        # just after a stop, would run to its own timeout).
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"agent-{name}", daemon=True)
 
     def start(self) -> Phase[T]:
@@ -65,10 +69,21 @@ class Phase(Generic[T]):
                 self._on_change()
 
     def mark(self, stage: str, on_abandon: Callable[[], None] | None = None) -> None:
-        """Record progress (from the body); ``on_abandon`` is how to end it from here on."""
-        self._stage = stage
-        self._on_abandon = on_abandon
+        """Record progress (from the body); ``on_abandon`` is how to end it from here on
+        (called at once when the phase was abandoned already)."""
+        with self._lock:
+            self._stage = stage
+            self._on_abandon = on_abandon
+            late = self._abandoned
+        if late:
+            self._end(on_abandon)
+            return
         self._on_change()
+
+    @property
+    def abandoned(self) -> bool:
+        """Whether the loop stopped caring (the body should start nothing more)."""
+        return self._abandoned
 
     @property
     def stage(self) -> str:
@@ -88,8 +103,12 @@ class Phase(Generic[T]):
 
     def abandon(self) -> None:
         """Stop caring about this phase; ask it to end if it said how."""
-        self._abandoned = True
-        on_abandon = self._on_abandon
+        with self._lock:
+            self._abandoned = True
+            on_abandon = self._on_abandon
+        self._end(on_abandon)
+
+    def _end(self, on_abandon: Callable[[], None] | None) -> None:
         if on_abandon is not None and not self._done.is_set():
             try:
                 on_abandon()

@@ -19,6 +19,7 @@ than the TTL plus one event.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,7 @@ from agent.loop.launches import Master, resolve_master
 from agent.loop.phase import MembershipChanged, Phase
 from agent.loop.ranks import Assignment, RoleInfo, exchange_ranks
 from agent.store import Store
-from agent.workers.bootstrap import BootstrapStoreError
+from agent.workers.bootstrap import BootstrapStoreError, BootstrapTicket
 from agent.workers.group import GroupInfo
 from coordinator.torch_adapter.surface import RendezvousSurface
 
@@ -42,6 +43,7 @@ __all__ = [
     "HEALTH_CHECK",
     "Formed",
     "MembershipChanged",
+    "PhaseAbandoned",
     "RankExchangeError",
     "barrier_changed",
     "barrier_phase",
@@ -72,7 +74,6 @@ class Formed:
     master_addr: str
     master_port: int
     use_agent_store: bool
-    bootstrap_server: Any = None  # the workers' bootstrap store this agent hosts, if any
 
     @property
     def store(self) -> Store:
@@ -108,17 +109,22 @@ def form_round(
     rdzv: RendezvousSurface,
     config: LaunchConfig,
     phase: Phase[Formed],
+    bootstrap: BootstrapTicket,
     preflight: Preflight | None = None,
 ) -> Formed:
     """Rendezvous, then agree on ranks and the master address, then run the pre-flight
-    check if there is one (a phase body).
+    check if there is one (a phase body). Once the loop abandoned the phase (a stop, a
+    membership change), it starts nothing more: no exchange, no bootstrap store (its
+    ``bootstrap`` ticket is void by then), no check.
 
     Raises:
         HealthCheckFailed: a node failed the check (the round re-forms without it).
+        PhaseAbandoned: the loop abandoned the phase (nobody reads this).
     """
     info = handler.next_rendezvous()
     store: Store = info.store
     phase.mark(EXCHANGE, store_aborter(store))
+    _go_on(phase)
     try:
         assignment = exchange_ranks(
             store,
@@ -126,19 +132,25 @@ def form_round(
             info.world_size,
             rdzv.last_workers,
         )
+        _go_on(phase)
         master = resolve_master(
-            config, info, store, info.rank, handler_store=bool(handler.use_agent_store)
+            config, info, store, info.rank, bootstrap, handler_store=bool(handler.use_agent_store)
         )
     except (DistStoreError, ValueError, BootstrapStoreError) as exc:
         text = " ".join(str(exc).split())
         raise RankExchangeError(f"round formed, but the rank exchange failed: {text}") from exc
     if preflight is not None:
         _check(rdzv, phase, preflight, info, store, master)
-    return Formed(
-        info, assignment, master.addr, master.port,
-        use_agent_store=master.agent_store,
-        bootstrap_server=master.server,
-    )  # fmt: skip
+    return Formed(info, assignment, master.addr, master.port, use_agent_store=master.agent_store)
+
+
+class PhaseAbandoned(RuntimeError):
+    """The loop abandoned this formation: it stops before its next step."""
+
+
+def _go_on(phase: Phase[Formed]) -> None:
+    if phase.abandoned:
+        raise PhaseAbandoned("the formation was abandoned")
 
 
 def _check(
@@ -149,17 +161,14 @@ def _check(
     store: Store,
     master: Master,
 ) -> None:
-    """The pre-flight check, ended at once (store and check process) on abandon."""
-    enders: list[Callable[[], None]] = []
+    """The pre-flight check, ended at once (store and check process) on abandon; not
+    started at all when the phase was abandoned before it."""
+    enders = _Enders()
     abort = store_aborter(store)
     if abort is not None:
-        enders.append(abort)
-
-    def end() -> None:
-        for ender in enders:
-            ender()
-
-    phase.mark(HEALTH_CHECK, end)
+        enders.add(abort)
+    phase.mark(HEALTH_CHECK, enders.end)
+    _go_on(phase)  # the check process started ahead stays for the next round's check
     try:
         preflight.check(
             store,
@@ -168,11 +177,36 @@ def _check(
             world_size=info.world_size,
             members=rdzv.last_members,
             master=(master.addr, master.port) if master.agent_store else None,
-            on_abandon=enders.append,
+            on_abandon=enders.add,
         )
     except (DistStoreError, ValueError) as exc:
         text = " ".join(str(exc).split())
         raise RankExchangeError(f"round formed, but the pre-flight check failed: {text}") from exc
+
+
+class _Enders:
+    """Ways to end a stage, run once on :meth:`end`; one added after that runs at once
+    (a check process handed over just as the phase was abandoned is killed, not left to
+    run to its timeout)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._enders: list[Callable[[], None]] = []
+        self._ended = False
+
+    def add(self, ender: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._ended:
+                self._enders.append(ender)
+                return
+        ender()
+
+    def end(self) -> None:
+        with self._lock:
+            self._ended = True
+            enders, self._enders = self._enders, []
+        for ender in enders:
+            ender()
 
 
 def _left_during_check(rdzv: RendezvousSurface) -> str | None:

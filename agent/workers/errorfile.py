@@ -73,13 +73,27 @@ def _exit_message(exitcode: int, pid: int, hint: bool = True) -> str:
     return f"exited with code {exitcode}, pid {pid}" + (f"; {_HINT}" if hint else "")
 
 
+def _timestamp(raw: object) -> float:
+    """The file's timestamp in seconds since the epoch, or 0 (unknown) when it is not one
+    a report can show: "nan", "inf" or a year past 9999 would make the root cause's
+    ordering and the report's date raise, and the agent would crash while restarting."""
+    value = float(str(raw))
+    if not math.isfinite(value):
+        return 0.0
+    try:
+        datetime.fromtimestamp(value)
+    except (OverflowError, OSError, ValueError):
+        return 0.0
+    return value
+
+
 def _parse(data: object) -> tuple[str, str, float] | None:
     """(message, traceback, timestamp) from a decoded error file, or None if unknown."""
     if not isinstance(data, dict):
         return None
     outer = data.get("message")
     if isinstance(outer, str):
-        return outer, "", float(str(data.get("timestamp", "0")))
+        return outer, "", _timestamp(data.get("timestamp", "0"))
     if not isinstance(outer, dict):
         return None
     message = outer.get("message")
@@ -87,7 +101,7 @@ def _parse(data: object) -> tuple[str, str, float] | None:
     if not isinstance(message, str) or not isinstance(extra, dict):
         return None
     callstack = extra.get("py_callstack", "")
-    return message, str(callstack), float(str(extra.get("timestamp", "0")))
+    return message, str(callstack), _timestamp(extra.get("timestamp", "0"))
 
 
 def read_failure(

@@ -328,12 +328,19 @@ class WorkerGroup:
             return WorkerState.SUCCEEDED
         return WorkerState.HEALTHY
 
-    def stop(self, grace: float, sig: signal.Signals = signal.SIGTERM) -> None:
+    def stop(
+        self,
+        grace: float,
+        sig: signal.Signals = signal.SIGTERM,
+        *,
+        then: Callable[[], None] | None = None,
+    ) -> None:
         """Stop every worker and everything it started, and reap them. Idempotent.
 
-        Sends ``sig`` to each worker's process group, waits up to ``grace`` seconds for
-        them to exit, then SIGKILLs the groups (also sweeping children of workers that
-        already exited) and waits for the reaping.
+        Sends ``sig`` to each worker's process group, calls ``then`` (it must not block:
+        the grace runs meanwhile), waits up to ``grace`` seconds for them to exit, then
+        SIGKILLs the groups (also sweeping children of workers that already exited) and
+        waits for the reaping.
         """
         with self._lock:
             workers = list(self._workers)
@@ -342,6 +349,8 @@ class WorkerGroup:
             worker.spawned.abandon()  # a start that failed half way: nobody will confirm
             if not worker.done.is_set():
                 _signal_group(worker.proc.pid, sig)
+        if then is not None:
+            then()
         deadline = time.monotonic() + grace
         for worker in workers:
             worker.done.wait(max(0.0, deadline - time.monotonic()))

@@ -27,33 +27,29 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
-import signal
 import socket
 import subprocess
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
+from agent.workers.warm_interpreter import (
+    LATE_KEYS,
+    ImportBounds,
+    WarmInterpreter,
+    WarmTarget,
+    counted,
+    env_compatible,
+    fits,
+    warm_target,
+)
 from coordinator.core.lifeline import Spawned, spawn
 
-__all__ = ["LATE_KEYS", "WarmPool", "WarmTarget", "env_compatible", "warm_target"]
+__all__ = ["LATE_KEYS", "ImportBounds", "WarmPool", "WarmTarget", "env_compatible", "warm_target"]
 
 log = logging.getLogger(__name__)
 
 _PROGRAM = str(Path(__file__).with_name("warm_process.py"))
-
-# torchrun's per-attempt variables (and ours): set for each attempt, read by the worker's
-# code (init_process_group, the error handler), never while torch is imported.
-LATE_KEYS = frozenset(
-    {
-        "RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE",
-        "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
-        "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_USE_AGENT_STORE",
-        "ETCD_ELASTIC_ROUND",
-    }
-)  # fmt: skip
 
 _HANDOVER_TIMEOUT = 5.0  # seconds for a ready process to confirm it took the request
 # How long a worker waits for its warm interpreter that is still importing. It started
@@ -61,76 +57,9 @@ _HANDOVER_TIMEOUT = 5.0  # seconds for a ready process to confirm it took the re
 # a cold start is the fallback only after this, or when the caller is interrupted.
 _READY_WAIT = 30.0
 # Interpreters in a row that may die while importing without a report (killed from
-# outside) before warm starts are turned off; a reported failure (an import error) turns
-# them off at once, since the next one would fail the same way.
+# outside, or given up as stuck) before warm starts are turned off; a reported failure
+# (an import error) turns them off at once, since the next one would fail the same way.
 _MAX_DEATHS = 3
-
-
-@dataclass(frozen=True)
-class WarmTarget:
-    """What a cold ``python -u`` would run: ``mode`` is script, module or code."""
-
-    python: str
-    mode: str
-    target: str
-    args: tuple[str, ...]
-
-
-def warm_target(argv: Sequence[str]) -> WarmTarget | None:
-    """The warm form of a worker's command line, or None if only a cold start will do
-    (not ``<python> -u ...``: ``--no-python``, or an interpreter with other flags)."""
-    if len(argv) < 3 or argv[1] != "-u" or not Path(argv[0]).name.startswith("python"):
-        return None
-    python, first, rest = argv[0], argv[2], tuple(argv[3:])
-    if first in ("-m", "-c"):
-        if not rest:
-            return None
-        return WarmTarget(python, "module" if first == "-m" else "code", rest[0], rest[1:])
-    if first.startswith("-"):
-        return None  # another interpreter flag: a cold start keeps its meaning
-    return WarmTarget(python, "script", first, rest)
-
-
-def env_compatible(started_with: Mapping[str, str], wanted: Mapping[str, str]) -> bool:
-    """Whether a process started with ``started_with`` may become a worker whose
-    environment is ``wanted``: equal but for :data:`LATE_KEYS`."""
-    keys = (started_with.keys() | wanted.keys()) - LATE_KEYS
-    return all(started_with.get(k) == wanted.get(k) for k in keys)
-
-
-class _Warm:
-    """One started warm process and this end of its control socket."""
-
-    def __init__(self, spawned: Spawned, sock: socket.socket, python: str, env: dict[str, str]):
-        self.spawned = spawned
-        self.sock = sock
-        self.python = python
-        self.env = env
-        self.ready = threading.Event()
-        self.failed: str | None = None
-        self.reported = False  # the program said why it failed (deterministic: an import)
-
-    def wait_ready(self) -> None:
-        """Block until the process reports (run on the pool's starter thread)."""
-        try:
-            self.spawned.confirm()
-            report = self.sock.recv(4096)
-        except OSError as exc:
-            report = f"failed {exc}".encode()
-        text = report.decode(errors="replace")
-        if text != "ready":
-            self.reported = text.startswith("failed ")
-            self.failed = text.removeprefix("failed ").strip() or "it exited while starting"
-        self.ready.set()
-
-    def discard(self) -> None:
-        """Stop and reap an unused process."""
-        with contextlib.suppress(OSError):
-            self.sock.close()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.spawned.process.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.spawned.process.wait(timeout=10)
 
 
 class WarmPool:
@@ -142,13 +71,19 @@ class WarmPool:
     """
 
     def __init__(
-        self, modules: Sequence[str] = ("torch",), *, enabled: bool = True, depth: int = 2
+        self,
+        modules: Sequence[str] = ("torch",),
+        *,
+        enabled: bool = True,
+        depth: int = 2,
+        bounds: ImportBounds | None = None,
     ) -> None:
         self._modules = ",".join(dict.fromkeys(m for m in modules if m))
         self._enabled = enabled and depth > 0
         self._depth = depth
+        self._bounds = bounds or ImportBounds()
         self._lock = threading.Lock()
-        self._slots: dict[int, list[_Warm]] = {}  # oldest first
+        self._slots: dict[int, list[WarmInterpreter]] = {}  # oldest first
         self._templates: dict[int, tuple[WarmTarget, dict[str, str]]] = {}
         self._top_up_lock = threading.Lock()
         self._closed = False
@@ -160,6 +95,11 @@ class WarmPool:
     def enabled(self) -> bool:
         return self._enabled and self._disabled_why is None
 
+    @property
+    def depth(self) -> int:
+        """Interpreters kept per local rank."""
+        return self._depth
+
     def ready_count(self, local_rank: int) -> int:
         """How many processes of ``local_rank`` are ready now."""
         with self._lock:
@@ -170,12 +110,16 @@ class WarmPool:
         self,
         templates: Mapping[int, tuple[Sequence[str], Mapping[str, str]]],
         defer: float = 0.0,
+        *,
+        at_once: bool = False,
     ) -> None:
         """Keep each local rank topped up to ``depth`` processes fit for a worker like
         ``templates[local_rank]`` = (argv, env), discarding those that no longer fit.
         Returns at once. One process per local rank imports at a time (the next starts
         when it is ready), so a refill never takes more of the cores than a cold start of
-        the same workers would.
+        the same workers would; ``at_once`` starts every missing one now instead (before
+        the first round, when no worker runs yet: the whole pool is ready for the first
+        workers and for a crash in their first seconds).
 
         ``defer``: seconds to wait before the imports of local ranks that still have a
         ready process (the workers just started from the pool load their checkpoint and
@@ -194,11 +138,13 @@ class WarmPool:
                     return
                 self._templates[local_rank] = (target, dict(env))
                 slot = self._slots.setdefault(local_rank, [])
-                stale = [w for w in slot if not _fits(w, target, env)]
+                stale = [w for w in slot if not fits(w, target, env)]
                 slot[:] = [w for w in slot if w not in stale]
             for warm in stale:
                 warm.discard()
-            if defer > 0 and self.ready_count(local_rank) > 0:
+            if at_once:
+                self._fill(local_rank)
+            elif defer > 0 and self.ready_count(local_rank) > 0:
                 later.append(local_rank)
             else:
                 self._top_up(local_rank)
@@ -215,12 +161,23 @@ class WarmPool:
         with self._top_up_lock:  # check and start as one step: one import at a time
             with self._lock:
                 template = self._templates.get(local_rank)
-                slot = self._slots.get(local_rank, [])
-                importing = any(not w.ready.is_set() for w in slot)
-                if self._closed or template is None or importing or len(slot) >= self._depth:
+                kept = counted(self._slots.get(local_rank, []))
+                importing = any(not w.ready.is_set() for w in kept)
+                if self._closed or template is None or importing or len(kept) >= self._depth:
                     return
             target, env = template
             self._start(local_rank, target.python, env)
+
+    def _fill(self, local_rank: int) -> None:
+        with self._top_up_lock:
+            with self._lock:
+                template = self._templates.get(local_rank)
+                missing = self._depth - len(counted(self._slots.get(local_rank, [])))
+                if self._closed or template is None:
+                    return
+            target, env = template
+            for _ in range(missing):
+                self._start(local_rank, target.python, env)
 
     def _start(self, local_rank: int, python: str, env: dict[str, str]) -> None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -240,7 +197,7 @@ class WarmPool:
             return
         finally:
             theirs.close()
-        warm = _Warm(spawned, mine, python, env)
+        warm = WarmInterpreter(spawned, mine, python, env)
         with self._lock:
             if self._closed:
                 warm.discard()
@@ -251,16 +208,20 @@ class WarmPool:
             daemon=True,
         ).start()  # fmt: skip
 
-    def wait_ready(self, timeout: float, interrupted: threading.Event | None = None) -> bool:
-        """Block until every local rank refilled has a ready process (or the pool is
-        off), at most ``timeout`` seconds or until ``interrupted`` is set (then
+    def wait_ready(
+        self, timeout: float, interrupted: threading.Event | None = None, *, every: int = 1
+    ) -> bool:
+        """Block until every local rank refilled has ``every`` ready processes (or the
+        pool is off), at most ``timeout`` seconds or until ``interrupted`` is set (then
         :meth:`poke`). True if every one has."""
 
         def full() -> bool:
             if not self.enabled or self._closed:
                 return True
             return all(
-                any(w.ready.is_set() for w in self._slots.get(rank, [])) for rank in self._templates
+                sum(1 for w in self._slots.get(rank, []) if w.ready.is_set() and not w.failed)
+                >= every
+                for rank in self._templates
             )
 
         with self._changed:
@@ -276,8 +237,17 @@ class WarmPool:
         with self._changed:
             self._changed.notify_all()
 
-    def _await(self, local_rank: int, warm: _Warm) -> None:
-        warm.wait_ready()
+    def _await(self, local_rank: int, warm: WarmInterpreter) -> None:
+        def overdue() -> None:
+            log.warning(
+                "warm start: local rank %d: a warm interpreter's import used no CPU for "
+                "%.0f s; starting another beside it, and no worker start waits for it",
+                local_rank, self._bounds.overdue_idle_s,
+            )  # fmt: skip
+            self.poke()  # a start waiting for it stops waiting
+            self._top_up(local_rank)
+
+        warm.wait_ready(self._bounds, overdue)
         self.poke()
         if warm.failed is None:
             with self._lock:
@@ -285,7 +255,7 @@ class WarmPool:
             self._top_up(local_rank)  # the next one imports now
             return
         if not warm.reported and self._died_again(local_rank, warm):
-            self._top_up(local_rank)  # killed from outside (OOM killer, ...): try again
+            self._top_up(local_rank)  # killed from outside (OOM killer, ...), or stuck
             return
         with self._lock:
             first = self._disabled_why is None
@@ -297,7 +267,7 @@ class WarmPool:
         for other in {id(w): w for w in [warm, *stopped]}.values():
             other.discard()
 
-    def _died_again(self, local_rank: int, warm: _Warm) -> bool:
+    def _died_again(self, local_rank: int, warm: WarmInterpreter) -> bool:
         """An interpreter died while importing without saying why: drop it, and say
         whether to start another (fewer than ``_MAX_DEATHS`` such deaths in a row)."""
         with self._lock:
@@ -308,11 +278,17 @@ class WarmPool:
                 slot[:] = [w for w in slot if w is not warm]
         if again:
             warm.discard()
-            log.warning(
-                "warm start: local rank %d: a warm interpreter died while importing (%s, "
-                "exit code %s); starting another", local_rank, warm.failed,
-                warm.spawned.process.returncode,
-            )  # fmt: skip
+            if warm.stuck:
+                log.warning(
+                    "warm start: local rank %d: a warm interpreter was killed: %s; "
+                    "starting another", local_rank, warm.failed,
+                )  # fmt: skip
+            else:
+                log.warning(
+                    "warm start: local rank %d: a warm interpreter died while importing "
+                    "(%s, exit code %s); starting another", local_rank, warm.failed,
+                    warm.spawned.process.returncode,
+                )  # fmt: skip
         return again
 
     def take(
@@ -325,26 +301,30 @@ class WarmPool:
 
         When every fitting process is still importing, the first to be ready is used
         (it is ahead of a cold start), waiting up to 30 s or until ``interrupted`` is set
-        (then :meth:`poke`).
+        (then :meth:`poke`); one importing for longer than it should
+        (:class:`ImportBounds`) is not waited for.
         """
         target = warm_target(argv)
         if target is None:
             return None
         with self._changed:
 
-            def ready() -> _Warm | None:
-                fitting = [w for w in self._slots.get(local_rank, []) if _fits(w, target, env)]
+            def ready() -> WarmInterpreter | None:
+                fitting = [w for w in self._slots.get(local_rank, []) if fits(w, target, env)]
                 return next((w for w in fitting if w.ready.is_set() and w.failed is None), None)
 
-            def fitting() -> bool:
-                return any(_fits(w, target, env) for w in self._slots.get(local_rank, []))
+            def importing() -> bool:
+                return any(
+                    fits(w, target, env) and not w.ready.is_set() and not w.overdue
+                    for w in self._slots.get(local_rank, [])
+                )
 
-            if not fitting():
+            if ready() is None and not importing():
                 return None
             self._changed.wait_for(
                 lambda: (
                     ready() is not None
-                    or not fitting()
+                    or not importing()
                     or (interrupted is not None and interrupted.is_set())
                 ),
                 timeout=_READY_WAIT,
@@ -389,7 +369,3 @@ class WarmPool:
             self._slots = {}
         for warm in unused:
             warm.discard()
-
-
-def _fits(warm: _Warm, target: WarmTarget, env: Mapping[str, str]) -> bool:
-    return warm.failed is None and warm.python == target.python and env_compatible(warm.env, env)

@@ -18,8 +18,9 @@ import logging
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
-from coordinator.core.errors import CorruptValueError
+from coordinator.core.errors import ConfigError, CorruptValueError
 from coordinator.core.etcd_client import KeyValue, WatchEvent
+from coordinator.core.keys import validate_node_id
 from coordinator.core.state import NodeInfo, RdzvState, decode_node
 from coordinator.core.tally import Tally, TallyIndex
 
@@ -76,9 +77,7 @@ class NodeTable:
             if event.kind == "put":
                 self._put(event.kv.key, event.kv.value, event.kv.create_revision)
             else:
-                node_id = self._node_id_by_key.pop(event.kv.key, None)
-                if node_id is not None:
-                    self._remove(node_id)
+                self._drop_key(event.kv.key)
         return True
 
     def snapshot(self) -> dict[str, NodeInfo]:
@@ -102,6 +101,11 @@ class NodeTable:
         the one asked about last time, else one O(N) count."""
         return self._index.tally(state, self._nodes)
 
+    def _drop_key(self, key: bytes) -> None:
+        node_id = self._node_id_by_key.pop(key, None)
+        if node_id is not None:
+            self._remove(node_id)
+
     def _remove(self, node_id: str) -> None:
         old = self._nodes.pop(node_id, None)
         if old is not None:
@@ -109,17 +113,30 @@ class NodeTable:
         self._appeared.pop(node_id, None)
 
     def _put(self, key: bytes, value: bytes, create_revision: int) -> None:
+        shown = key.decode(errors="replace")
         try:
-            node = decode_node(key.decode(errors="replace"), value, create_revision)
+            node = decode_node(shown, value, create_revision)
+            # The key names the node: its lease is what ends the node's part. A value
+            # naming another node (a foreign or copied record) would keep that node
+            # alive in this table after its own key went, or replace its record.
+            if node.node_id != _id_of(key):
+                raise CorruptValueError(
+                    shown, f"node_id {node.node_id!r} in the value differs from the key"
+                )
         except CorruptValueError as exc:
             log.warning("ignoring node key: %s", exc)
             return
-        old_id = self._node_id_by_key.get(key)
-        if old_id is not None and old_id != node.node_id:
-            self._remove(old_id)
         old = self._nodes.get(node.node_id)
         self._nodes[node.node_id] = node
         self._node_id_by_key[key] = node.node_id
         self._index.changed(node.node_id, old, node)
         if old is None or old.create_revision != node.create_revision:
             self._appeared[node.node_id] = node
+
+
+def _id_of(key: bytes) -> str:
+    """The node id a node key names (its last part), or "" when it names none."""
+    try:
+        return validate_node_id(key.rsplit(b"/", 1)[-1].decode("ascii"))
+    except (UnicodeDecodeError, ConfigError):
+        return ""

@@ -27,7 +27,9 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn, TextIO
 
+from coordinator.core.log_level import LOGLEVEL_ENV, log_level
 from coordinator.rdzvctl.cli import EXIT_OK, PROG, Options, parse_args
+from coordinator.rdzvctl.parser import EXIT_BAD_ARGS
 
 __all__ = ["main", "program", "run_command"]
 
@@ -41,11 +43,13 @@ def run_command(opts: Options, out: TextIO, err: TextIO) -> int:
 
 def _start(argv: Sequence[str] | None) -> Options:
     """Logging, gRPC's own log level, the checked command line (SystemExit if bad)."""
+    try:
+        level = log_level(os.environ.get(LOGLEVEL_ENV), "ERROR")
+    except ValueError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_ARGS) from None
     if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=os.environ.get("LOGLEVEL", "ERROR").upper(),
-            format=f"{PROG}: %(levelname)s %(name)s: %(message)s",
-        )
+        logging.basicConfig(level=level, format=f"{PROG}: %(levelname)s %(name)s: %(message)s")
     # gRPC's C core logs each refused TLS handshake to stderr on its own (grpc >= 1.6x);
     # our error is the one line that names the endpoint and the fix. Set before grpc
     # loads (parse_args may load it); GRPC_VERBOSITY=INFO or DEBUG brings them back.

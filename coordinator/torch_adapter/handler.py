@@ -64,7 +64,14 @@ from coordinator.core.quarantine import quarantined_ids
 from coordinator.core.restart_budget import RestartCount
 from coordinator.core.run_lease import RunLease
 from coordinator.core.settings import RendezvousSettings
-from coordinator.core.state import CloseMode, Hang, NodeInfo, Quarantine, RdzvState
+from coordinator.core.state import (
+    CloseMode,
+    Hang,
+    NodeInfo,
+    Quarantine,
+    RdzvState,
+    decode_state,
+)
 from coordinator.core.threads import ThreadDied
 from coordinator.core.transitions import (
     Limits,
@@ -636,6 +643,27 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._unlisten()
         if self._own_client and self._client is not None:
             self._client.close()
+
+    def needs_nodes(self) -> bool:
+        """Whether the run trained (a round completed) and fewer than ``min_nodes`` of
+        its nodes hold a key now: it cannot go on until nodes join, so a node about to
+        join should join at once. Two reads (the state key, a count of the node keys),
+        made once by an agent before it joins; False when etcd does not answer or the
+        state is unreadable (the agent then prepares as it would anyway)."""
+        try:
+            client = self._etcd()
+            kv, _ = client.get(self._keys.state)
+            if kv is None:
+                return False
+            state = decode_state(self._keys.state.decode(), kv.value)
+            if state.round < 1 or state.closed:
+                return False
+            alive, _ = client.count_prefix(self._keys.nodes_prefix)
+        except EtcdElasticError as exc:
+            log.info("node %s: could not tell whether run %s waits for nodes: %s",
+                     self.node_id, self._keys.run_id, exc)  # fmt: skip
+            return False
+        return alive < self._limits.min_nodes
 
     def departed_participants(self) -> list[str]:
         """Nodes of this node's last round whose lease ended since (from the watched view)."""

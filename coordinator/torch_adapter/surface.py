@@ -139,6 +139,12 @@ class RendezvousSurface(Protocol):
         """Nodes of this node's last round whose lease ended since."""
         ...
 
+    def needs_nodes(self) -> bool:
+        """Whether the run trained and now waits for nodes: fewer than ``min_nodes`` of
+        its nodes are alive, so a node about to join should not make it wait longer.
+        May read etcd (once, before this node joins); False where unknown."""
+        ...
+
 
 class ForeignSurface:
     """The surface of a handler that is not ours: the agent runs, without our extras."""
@@ -178,6 +184,9 @@ class ForeignSurface:
 
     def departed_participants(self) -> list[str]:
         return []
+
+    def needs_nodes(self) -> bool:
+        return False
 
 
 def surface_of(handler: RendezvousHandler) -> RendezvousSurface:

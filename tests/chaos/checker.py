@@ -27,8 +27,12 @@ no_overlapping_rounds          no collective of round R began after the first st
 no_orphan_workers              no worker steps more than 1 s after its agent died (SIGKILL
                                sent, or exit seen); no ``orphan_alive`` from the harness
 recovery_bound                 after a fault that removes a node, a step of a newer round
-                               within TTL + 5 s of its start; after one that restarts
-                               workers without removing a node, before the next fault
+                               within TTL + 5 s of its start (when it left fewer than
+                               min_nodes agents: within agent_start_s of the start of the
+                               agent the job needed, if that is later); after one that
+                               restarts workers without removing a node, before the next
+                               fault (within TTL + 5 s for the kinds of TIMED_RESTARTS,
+                               from each worker kill of ``warm_import_stuck``)
 no_restart_without_node_loss   from a fault that removes no node until the next fault: no
                                ``workers_stopped``, no newer ``round``, no ``worker_start``
 no_agent_gives_up              no agent exits unless the harness stopped it

@@ -142,6 +142,17 @@ class EtcdOps:
             raise HarnessError(f"etcdctl {' '.join(args)}: {done.stderr.strip()[:400]}")
         return done.stdout
 
+    def delete_prefix(self, prefix: str) -> int:
+        """What an operator does with ``etcdctl del --prefix``; returns how many keys went.
+
+        Raises:
+            HarnessError: etcdctl failed.
+        """
+        out = self._etcdctl("del", "--prefix", prefix)
+        deleted = int(out.strip().splitlines()[-1]) if out.strip() else 0
+        self._history.record("keys_deleted", prefix=prefix, deleted=deleted)
+        return deleted
+
     def compact_defrag(self) -> None:
         """Compact the keyspace at its head revision (physically), then defragment every
         member. Watchers from older revisions meet a compacted revision.

@@ -6,7 +6,7 @@ Agent events are documented in ``agent/observe/journal.py``, worker events in
 ``run_start`` {run, seed, faults, agents, nproc, min_nodes, max_nodes, lease_ttl,
 step_s, endpoints, etcd}
     Before the first agent starts; the checker takes its bounds from here.
-``agent_started`` {slot, agent_pid}
+``agent_started`` {slot, agent_pid, master_port}
     An ``etcdrun`` process started in agent slot ``slot``. The harness does not know
     node ids: agent and worker events are tied to it by the agent's pid (``pid`` itself
     is every line's recording process, here the harness).
@@ -18,6 +18,8 @@ step_s, endpoints, etcd}
     The harness saw the agent's exit (at most a poll interval after it happened).
 ``worker_killed`` {worker_pid, agent_pid}
     The harness SIGKILLed one worker.
+``keys_deleted`` {prefix, deleted}
+    The harness deleted every key under ``prefix`` (``etcdctl del --prefix``).
 ``orphan_alive`` {worker_pid, agent_pid, after_s}
     A worker still ran ``after_s`` seconds after its agent died (then the harness kills
     it); a ``no_orphan_workers`` violation in itself.
@@ -75,6 +77,7 @@ __all__ = [
     "VIOLATION",
     "WORKERS_STARTED",
     "WORKERS_STOPPED",
+    "WORKER_KILLED",
     "WORKER_START",
 ]
 
@@ -94,6 +97,7 @@ AGENT_FROZEN: Final = "agent_frozen"
 AGENT_THAWED: Final = "agent_thawed"
 AGENT_EXITED: Final = "agent_exited"
 ORPHAN_ALIVE: Final = "orphan_alive"
+WORKER_KILLED: Final = "worker_killed"
 FAULT_START: Final = "fault_start"
 FAULT_END: Final = "fault_end"
 TRIGGER: Final = "trigger"

@@ -25,9 +25,11 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from agent.observe.journal import JournalWriter
 from tests.chaos.etcd_ops import EtcdOps, HarnessError
+from tests.chaos.faults_edges import EdgeFaults
 from tests.chaos.fleet import Fleet, Slot
 from tests.chaos.proxy import Mode
 from tests.chaos.scheduler import Fault
@@ -57,8 +59,9 @@ class Timing:
     trigger_poll_s: float = 0.01  # for the faults timed to a round's completion
 
 
-class FaultRunner:
-    """Executes faults on one job; see the module docstring."""
+class FaultRunner(EdgeFaults):
+    """Executes faults on one job; see the module docstring (and
+    :mod:`tests.chaos.faults_edges` for issue 21's)."""
 
     def __init__(
         self,
@@ -72,6 +75,7 @@ class FaultRunner:
         nproc: int,
         min_nodes: int,
         state_key: str,
+        stall_dir: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -79,6 +83,8 @@ class FaultRunner:
         self.timing = timing
         self.agents, self.nproc, self.min_nodes = agents, nproc, min_nodes
         self.state_key = state_key
+        self.run_prefix = state_key.rsplit("/", 1)[0]
+        self.stall_dir = stall_dir or Path(os.environ.get("CHAOS_STALL_DIR", "."))
         self._clock, self._sleep = clock, sleep
 
     # -- waiting ---------------------------------------------------------------------------
@@ -89,6 +95,14 @@ class FaultRunner:
         while (now := self._clock()) < deadline:
             self.fleet.poll(now)
             self._sleep(min(poll or self.timing.poll_s, deadline - now))
+
+    def _until(self, done: Callable[[], bool], timeout: float) -> bool:
+        return self._wait_until(done, timeout, self.timing.poll_s)
+
+    def _recovered_after(self, since: float) -> bool:
+        timing = self.timing
+        bound = timing.lease_ttl + timing.recovery_slack_s + timing.recover_slack_s
+        return self._wait_until(lambda: self.tail.stepped_since(since), bound, timing.poll_s)
 
     def _wait_until(self, done: Callable[[], bool], timeout: float, poll: float) -> bool:
         deadline = self._clock() + timeout
@@ -269,14 +283,7 @@ class FaultRunner:
         self._remove(self._target(fault.target), signal.SIGTERM)
 
     def _worker_sigkill(self, fault: Fault) -> None:
-        slot = self._target(fault.target)
-        agent_pid = slot.agent.pid if slot.agent is not None else -1
-        workers = self.fleet.live_workers(slot)
-        if not workers:
-            raise HarnessError(f"agent slot {fault.target} has no live worker to kill")
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(workers[-1], signal.SIGKILL)
-        self.history.record("worker_killed", worker_pid=workers[-1], agent_pid=agent_pid)
+        self._kill_worker_of(self._target(fault.target))
 
     def _compaction_defrag(self, fault: Fault) -> None:
         self.etcd.compact_defrag()

@@ -24,15 +24,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.observe.journal import JournalWriter
+from coordinator.core.ports import free_ports
 from coordinator.etcd_server import EtcdCluster
 from tests.chaos.etcd_ops import HarnessError
 from tests.chaos.proxy import Mode, TcpFaultProxy
 from tests.chaos.tail import HistoryTail
 from tests.e2e.agents import ETCDRUN, ROOT, AgentProc, Agents, alive
 
-__all__ = ["WORKER", "Fleet", "FleetConfig", "Slot"]
+__all__ = ["PRELOAD", "WORKER", "Fleet", "FleetConfig", "Slot"]
 
 WORKER = ROOT / "tests" / "chaos" / "worker.py"
+PRELOAD = ROOT / "tests" / "chaos" / "preload"
+_MASTER_PORTS = (20000, 30000)
 
 
 @dataclass(frozen=True)
@@ -51,8 +54,16 @@ class FleetConfig:
     max_restarts: int = 10_000
     orphan_grace_s: float = 1.0
     max_starts: int = 200  # agents started in the whole run: a crash loop stops the run
+    # Every agent gets a --master-port of its own, as torchrun users habitually pass one:
+    # each restart that agent hosts re-binds the same port (issue 21, item 1). One port per
+    # agent process, below the ephemeral range: agents share this machine, a frozen one
+    # keeps its server, and no outgoing connection takes the port meanwhile.
+    fixed_master_port: bool = True
+    # Imported ahead by every warm interpreter; chaos_stall (tests/chaos/preload, on the
+    # agents' PYTHONPATH) hangs one import when the warm_import_stuck fault asks.
+    warm_modules: str = "torch,chaos_stall"
 
-    def argv(self, endpoints: str) -> list[str]:
+    def argv(self, endpoints: str, master_port: int = 0) -> list[str]:
         conf = (
             f"lease_ttl={self.lease_ttl},join_timeout={self.join_timeout:g},"
             f"last_call_timeout={self.last_call_timeout:g}"
@@ -66,6 +77,8 @@ class FleetConfig:
             f"--rdzv-id={self.run_id}",
             f"--rdzv-conf={conf}",
             f"--max-restarts={self.max_restarts}",
+            *([f"--master-port={master_port}"] if master_port else []),
+            f"--warm-modules={self.warm_modules}",
             str(WORKER),
         ]
 
@@ -144,9 +157,10 @@ class Fleet:
         env.setdefault("PYTHONWARNINGS", "ignore:Failed to initialize NumPy:UserWarning")
         log = self.config.out_dir / "agents" / f"slot{slot.index}-{self._starts}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
+        port = free_ports(1, within=_MASTER_PORTS)[0] if self.config.fixed_master_port else 0
         with open(log, "wb") as out:
             proc = subprocess.Popen(
-                self.config.argv(slot.endpoints),
+                self.config.argv(slot.endpoints, port),
                 cwd=ROOT,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -157,7 +171,7 @@ class Fleet:
         agent = AgentProc(f"slot{slot.index}-{self._starts}", proc, log)
         self.reaper.procs.append(agent)
         slot.agent, slot.frozen = agent, False
-        self.history.record("agent_started", slot=slot.index, agent_pid=proc.pid)
+        self.history.record("agent_started", slot=slot.index, agent_pid=proc.pid, master_port=port)
         return agent
 
     def live_pids(self) -> set[int]:

@@ -38,7 +38,7 @@ from tests.chaos.checker import Violation, check, format_violations
 from tests.chaos.etcd_log import EtcdLog, fenced_commits, read_etcd_log
 from tests.chaos.etcd_ops import EtcdOps, HarnessError, chaos_etcd_binary, etcdctl_binary
 from tests.chaos.faults import FaultRunner, Timing
-from tests.chaos.fleet import Fleet, FleetConfig
+from tests.chaos.fleet import PRELOAD, Fleet, FleetConfig
 from tests.chaos.opening import OPENINGS, coordinator_freeze
 from tests.chaos.report import KindRow, format_table, summarize
 from tests.chaos.scheduler import ALL_KINDS, plan
@@ -117,6 +117,8 @@ def run_chaos(cfg: ChaosConfig) -> ChaosResult:
         3, binary=chaos_etcd_binary(), base_dir=out / "etcd", no_fsync=True, stop_grace=1.0
     )
     deadline = started + cfg.budget_s
+    stall_dir = out / "stall"
+    stall_dir.mkdir(exist_ok=True)
     fleet = Fleet(
         FleetConfig(
             run_id=run_id,
@@ -133,7 +135,8 @@ def run_chaos(cfg: ChaosConfig) -> ChaosResult:
                 # run would have ended (the reaper kills them long before).
                 "CHAOS_DEADLINE_MONO": str(deadline + cfg.start_timeout_s + 600),
                 "TMPDIR": str(out),
-                **_breakage_env(cfg.breakage),
+                "CHAOS_STALL_DIR": str(stall_dir),
+                **_python_path(cfg.breakage),
             },
         ),
         cluster,
@@ -150,6 +153,7 @@ def run_chaos(cfg: ChaosConfig) -> ChaosResult:
         nproc=cfg.nproc,
         min_nodes=cfg.min_nodes,
         state_key=f"{KEY_PREFIX}/{run_id}/state",
+        stall_dir=stall_dir,
     )
     executed, aborted, leftovers = 0, "", []
     run_prefix = f"{KEY_PREFIX}/{run_id}"
@@ -233,12 +237,15 @@ BREAKAGES = ("lease_timer", "blind_waits", "no_fencing", "orphans")
 _BREAKAGE_DIR = Path(__file__).with_name("breakage")
 
 
-def _breakage_env(name: str) -> dict[str, str]:
-    """What puts the broken variant ``name`` into the agents (none for "")."""
-    if not name:
-        return {}
-    path = os.pathsep.join(p for p in (str(_BREAKAGE_DIR), os.environ.get("PYTHONPATH")) if p)
-    return {"PYTHONPATH": path, "ETCD_ELASTIC_CHAOS_BREAK": name}
+def _python_path(breakage: str) -> dict[str, str]:
+    """The agents' PYTHONPATH (chaos_stall, for their warm interpreters), and what puts
+    the broken variant ``breakage`` into them (none for "")."""
+    dirs = [str(_BREAKAGE_DIR)] if breakage else []
+    dirs += [str(PRELOAD), os.environ.get("PYTHONPATH", "")]
+    env = {"PYTHONPATH": os.pathsep.join(p for p in dirs if p)}
+    if breakage:
+        env["ETCD_ELASTIC_CHAOS_BREAK"] = breakage
+    return env
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -156,6 +156,15 @@ class History:
                 return step.mono - start
         return None
 
+    def first_start_step(self, since: float) -> float | None:
+        """Seconds from ``since`` to the first step of a worker started at or after it
+        (every start of workers is a new round), or None."""
+        for step in self.steps_between(since, float("inf")):
+            began = self.worker_start.get(step.int_field("pid"))
+            if began is not None and began.mono >= since:
+                return step.mono - since
+        return None
+
     def stall(self, lo: float, hi: float) -> float:
         """The longest stretch of [lo, hi] in which no worker recorded a step."""
         if hi <= lo:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 from tests.chaos import events as ev
 from tests.chaos.history_view import FaultSpan, History, Indexed
+from tests.chaos.scheduler import TIMED_RESTARTS
 from tests.chaos.verdict import CheckConfig, Violation, at, str_list
 
 __all__ = [
@@ -247,27 +248,86 @@ def _rearmed_at(h: History, span: FaultSpan) -> float:
     return 0.0
 
 
+def _refilled_at(h: History, cfg: CheckConfig, span: FaultSpan) -> float | None:
+    """Seconds into ``span`` at which the harness started the agent that brought the job
+    back to ``min_nodes``, when the fault left fewer alive (a formation fault whose
+    second fault killed a second agent of three): no round can train before a new agent
+    joins, so the bound counts from its start. None when enough survived (or the number
+    of agents is unknown)."""
+    if cfg.agents <= 0:
+        return None
+    gone = {
+        k.int_field("agent_pid"): k
+        for k in h.of(ev.AGENT_KILLED)
+        if span.start_mono <= k.mono <= span.end_mono
+    }
+    short = cfg.min_nodes - (cfg.agents - len(gone))
+    if short <= 0:
+        return None
+    last = max(k.mono for k in gone.values())
+    starts = [a for a in h.of(ev.AGENT_STARTED) if a.mono >= last]
+    # Never started: the bound is the last kill's, and the recovery (none) fails it.
+    return (starts[short - 1].mono if len(starts) >= short else last) - span.start_mono
+
+
+def _timed_restart(h: History, cfg: CheckConfig, span: FaultSpan) -> Iterator[Violation]:
+    """A restart of :data:`TIMED_RESTARTS` trains again within TTL + slack: from the
+    fault's start, and for ``warm_import_stuck`` from each of its worker kills."""
+    bound = cfg.lease_ttl + cfg.recovery_slack_s
+    if span.kind != "warm_import_stuck":
+        points = [(span.start, h.recovery(span))]
+    else:
+        kills = h.of(ev.WORKER_KILLED)
+        points = [
+            (k, h.first_start_step(k.mono))
+            for k in kills
+            if span.start_mono <= k.mono <= span.end_mono
+        ]
+    for item, took in points:
+        if took is None or took > bound:
+            seen = "never" if took is None else f"after {took:.2f} s"
+            yield at(
+                "recovery_bound",
+                item,
+                f"{span.kind}: the job trained again {seen}; bound TTL {cfg.lease_ttl:g} + "
+                f"{cfg.recovery_slack_s:g} = {bound:g} s",
+            )
+
+
 def recovery_bound(h: History, cfg: CheckConfig) -> Iterator[Violation]:
     """A disruptive fault is followed by training in a newer round, in time: TTL + slack
     after a fault that removes a node (counted from the second fault when that one
-    re-armed every lease: :func:`_rearmed_at`)."""
+    re-armed every lease: :func:`_rearmed_at`; when it left fewer than ``min_nodes``
+    agents, at least ``agent_start_s`` after the harness started the agent the job
+    needed: :func:`_refilled_at`) and after a restart of :data:`TIMED_RESTARTS`."""
     faults = h.faults()
     for i, span in enumerate(faults):
         if not span.disruptive:
+            continue
+        if span.kind in TIMED_RESTARTS:
+            yield from _timed_restart(h, cfg, span)
             continue
         took = h.recovery(span)
         if span.removes_node:
             rearmed = _rearmed_at(h, span)
             bound = rearmed + cfg.lease_ttl + cfg.recovery_slack_s
+            refilled = _refilled_at(h, cfg, span)
+            if refilled is not None:
+                bound = max(bound, refilled + cfg.agent_start_s)
             if took is None or took > bound:
                 seen = "never" if took is None else f"after {took:.2f} s"
                 since = f"{rearmed:.2f} s (leases re-armed then) + " if rearmed else ""
+                if refilled is not None:
+                    why = (
+                        f"bound {refilled:.2f} s (the agent the job needed started then) "
+                        f"+ {cfg.agent_start_s:g} s, or TTL + slack"
+                    )
+                else:
+                    why = f"bound {since}TTL {cfg.lease_ttl:g} + {cfg.recovery_slack_s:g}"
                 yield at(
                     "recovery_bound",
                     span.start,
-                    f"{span.kind}: a newer round trained "
-                    f"{seen}; bound {since}TTL {cfg.lease_ttl:g} + "
-                    f"{cfg.recovery_slack_s:g} = {bound:g} s",
+                    f"{span.kind}: a newer round trained {seen}; {why} = {bound:g} s",
                 )
             continue
         limit = faults[i + 1].start_mono if i + 1 < len(faults) else h.end_mono

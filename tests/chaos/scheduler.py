@@ -16,7 +16,16 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any
 
-__all__ = ["ALL_KINDS", "CATALOGUE", "Effect", "Fault", "KindSpec", "plan"]
+__all__ = [
+    "ALL_KINDS",
+    "CATALOGUE",
+    "PENDING",
+    "TIMED_RESTARTS",
+    "Effect",
+    "Fault",
+    "KindSpec",
+    "plan",
+]
 
 
 class Effect(str, Enum):
@@ -66,10 +75,41 @@ _KINDS = (
     KindSpec("newcomer", Effect.RESTART, "a new agent joins during another fault"),
     KindSpec("formation_fault", Effect.NODE_LOSS, "a second fault while the nodes re-form"),
     KindSpec("rank_exchange_fault", Effect.NODE_LOSS, "an agent killed as a round completes"),
+    KindSpec(
+        "master_port_restart",
+        Effect.RESTART,
+        "SIGKILL a worker of the agent of group rank 0, which hosts the workers' bootstrap "
+        "store on its fixed --master-port and must bind it again for the next round",
+    ),
+    KindSpec(
+        "node_keys_deleted",
+        Effect.RESTART,
+        "an operator deletes every node key of the run (etcdctl del --prefix .../nodes/)",
+    ),
+    KindSpec(
+        "warm_import_stuck",
+        Effect.RESTART,
+        "one agent's next warm interpreter hangs in its import; that agent's workers are "
+        "killed three times around it",
+    ),
 )
 
+TIMED_RESTARTS = frozenset({"master_port_restart", "node_keys_deleted", "warm_import_stuck"})
+"""Restarts held to the node-loss bound (TTL + slack) although no node leaves: nothing in
+them should cost more than a node lost does."""
+
 CATALOGUE: Mapping[str, KindSpec] = {k.name: k for k in _KINDS}
-ALL_KINDS: tuple[str, ...] = tuple(CATALOGUE)
+PENDING: Mapping[str, str] = {
+    "node_keys_deleted": (
+        "a node whose key an operator deleted keeps its lease and believes its key lives: "
+        "the coordinators' fenced commits fail in a tight loop (coordinator/core/duty.py), "
+        "and a key written again keeps its old create revision in NodeMembership.write "
+        "(coordinator/core/membership.py), so no round forms after the next restart"
+    ),
+}
+"""Kinds that fail on the code as it is, for the reason given: in the catalogue (run them
+with ``--kinds``), left out of the default draw until that is fixed."""
+ALL_KINDS: tuple[str, ...] = tuple(k for k in CATALOGUE if k not in PENDING)
 
 # The fault a newcomer arrives during: ones without an effect of their own, so that the
 # join is the only membership change (and the checker can tell what caused what).
@@ -166,6 +206,7 @@ def _one(index: int, kind: str, rng: random.Random, n_agents: int, ttl: float) -
         "newcomer",
         "formation_fault",
         "rank_exchange_fault",
+        "warm_import_stuck",
     )
     return Fault(
         index=index,
@@ -199,7 +240,7 @@ def plan(
     """
     unknown = [k for k in kinds if k not in CATALOGUE]
     if unknown:
-        raise ValueError(f"unknown fault kinds {unknown}; known: {', '.join(ALL_KINDS)}")
+        raise ValueError(f"unknown fault kinds {unknown}; known: {', '.join(CATALOGUE)}")
     if not kinds:
         raise ValueError("no fault kinds to plan from")
     if n_faults < 0:

@@ -31,6 +31,7 @@ class HistoryTail:
         self.steps: list[dict[str, Any]] = []
         self.worker_start: dict[int, dict[str, Any]] = {}  # worker pid -> its start
         self.max_round = -1  # newest round an agent reported
+        self.rank0_pid = -1  # the agent that reported group rank 0 of that round
         self.agent_events = 0
 
     def poll(self) -> int:
@@ -68,6 +69,8 @@ class HistoryTail:
             self.agent_events += 1
             if name == ev.ROUND and isinstance(event.get("round"), int):
                 self.max_round = max(self.max_round, event["round"])
+                if event["round"] == self.max_round and event.get("group_rank") == 0:
+                    self.rank0_pid = int(event.get("pid", -1))
 
     def first_after(self, name: str, mono: float, src: str | None = None) -> dict[str, Any] | None:
         """The first ``name`` event at or after ``mono`` (from ``src``), if any yet.

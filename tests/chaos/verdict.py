@@ -21,6 +21,13 @@ class CheckConfig:
     lease_ttl: float
     recovery_slack_s: float = 5.0
     orphan_grace_s: float = 1.0
+    agents: int = 0
+    """Agents the job runs with (0: unknown; the bound below min_nodes is then not used)."""
+    agent_start_s: float = 15.0
+    """How long a new agent may take from its start to its first workers' first step
+    when the run waits for it: its interpreter and imports (torch, on a shared machine),
+    then a join at once (issue 21, item 12), the round, and its workers' first step.
+    Measured in the run that set it: see docs/chaos.md."""
     require_rounds: bool = True
     """A real run must carry round numbers; only synthetic unit-test histories may not."""
 
@@ -33,6 +40,7 @@ class CheckConfig:
             min_nodes=start.int_field("min_nodes", 1),
             max_nodes=start.int_field("max_nodes", 1 << 30),
             lease_ttl=float(start.event.get("lease_ttl", 5.0)),
+            agents=start.int_field("agents", 0),
         )
 
 

@@ -46,26 +46,53 @@ WORKER = """
 """
 
 
+def _etcdrun(args: list[str], timeout: float) -> tuple[int, str]:
+    """``etcdrun --standalone`` with two workers per node; its exit code and output."""
+    argv = [
+        sys.executable, "-m", "agent", "--standalone", "--nproc-per-node=2",
+        "--monitor-interval=0.1", *args,
+    ]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, out
+
+
 def test_every_worker_of_every_attempt_finds_the_bootstrap_store_listening(
     tmp_path: Path,
 ) -> None:
     script = tmp_path / "worker.py"
     script.write_text(textwrap.dedent(WORKER))
-    argv = [
-        sys.executable, "-m", "agent", "--standalone", "--nproc-per-node=2",
-        "--max-restarts=1", "--monitor-interval=0.1", str(script), str(tmp_path),
-    ]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, out
+    code, out = _etcdrun(["--max-restarts=1", str(script), str(tmp_path)], 120)
+    assert code == 0, out
     records = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("r*-a*.json"))]
     assert sorted((r["rank"], r["attempt"]) for r in records) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(r["listening"] for r in records), records
     assert all(r["agent_store"] == "True" for r in records)
     ports = {r["attempt"]: r["port"] for r in records}
     assert ports[0] != ports[1]  # one server per round
+
+
+def test_a_fixed_master_port_survives_every_restart(tmp_path: Path) -> None:
+    # torchrun's habit: --master-port. The next round forms while the last one's server
+    # may still hold that port; group rank 0's agent exited 1 with EADDRINUSE at the
+    # first restart. Two restarts here (rank 1 fails attempts 0 and 1).
+    from coordinator.core.ports import free_port
+
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(WORKER).replace("attempt == 0", "attempt < 2"))
+    port = free_port("127.0.0.1")
+    flags = ["--max-restarts=2", f"--master-port={port}", "--master-addr=127.0.0.1"]
+    code, out = _etcdrun([*flags, str(script), str(tmp_path)], 180)
+    assert code == 0, out
+    assert "EADDRINUSE" not in out
+    records = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("r*-a*.json"))]
+    assert sorted((r["attempt"], r["rank"]) for r in records) == [
+        (a, r) for a in range(3) for r in range(2)
+    ]
+    assert {r["port"] for r in records} == {port}
+    assert all(r["listening"] for r in records), records

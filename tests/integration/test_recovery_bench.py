@@ -22,9 +22,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(*args: str, timeout: float = 200) -> subprocess.CompletedProcess[str]:
+def _run(
+    *args: str, timeout: float = 200, scenario: str = "recovery"
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "benchmarks", "recovery", *args],
+        [sys.executable, "-m", "benchmarks", scenario, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -61,3 +63,18 @@ def test_recovery_names_an_unknown_case() -> None:
     proc = _run("--cases", "a,x", timeout=60)
     assert proc.returncode == 2
     assert "--cases 'a,x': use a comma-separated subset of a,b,c" in proc.stderr
+
+
+def test_crash_timing_smoke_measures_every_crash_of_one_job() -> None:
+    proc = _run("--smoke", "--runs", "1", "--json", timeout=400, scenario="crash-timing")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["scenario"] == "crash-timing"
+    assert result["errors"] == []
+    (run,) = result["runs"]
+    for crash in ("early", "steady", "second", "third"):
+        parts = run[crash]["components"]
+        assert tuple(parts) == AGENT_COMPONENTS
+        assert sum(parts.values()) == pytest.approx(run[crash]["total"], abs=0.002)
+    assert set(result["over_steady"]) == {"early", "second", "third"}
+    assert result["met"] in (True, False)

@@ -23,6 +23,7 @@ from torch.distributed.elastic.rendezvous import RendezvousInfo
 from agent.config import LaunchConfig
 from agent.loop.launches import resolve_master
 from agent.loop.ranks import RoleInfo, exchange_ranks
+from agent.workers.bootstrap import BootstrapHost
 from coordinator.etcd_server import EtcdCluster
 from coordinator.torch_adapter.handler import EtcdRendezvousHandler
 from tests.agent_helpers import AgentNode
@@ -132,7 +133,8 @@ def test_a_node_lost_before_the_exit_barrier_ends_the_wait(
     # reaches the exit barrier: it dies while the agent's workers finish.
     config = LaunchConfig(min_nodes=1, max_nodes=2, nproc_per_node=1, entrypoint=sys.executable)
     exchange_ranks(info.store, RoleInfo("default", info.rank, 1), info.world_size)
-    resolve_master(config, info, info.store, info.rank)
+    host = BootstrapHost()  # the ghost's: keeps its server (if rank 0) for the test
+    resolve_master(config, info, info.store, info.rank, host.next_formation())
     wait_until(lambda: node.agent.worker_group is not None, 60, "the agent's workers")
     time.sleep(1.0)  # its worker exits 0 at once: the agent now waits at the exit barrier
     assert node.thread.is_alive(), "the agent did not wait for the second node"

@@ -310,3 +310,57 @@ def test_report_measures_recovery_and_stall_per_kind() -> None:
 )
 def test_percentile_is_nearest_rank(values: list[float], q: float, expected: float | None) -> None:
     assert percentile(values, q) == expected
+
+
+def _below_min(replaced_at: float, trains_at: float) -> list[Event]:
+    """Fault 0 as a formation fault whose second fault killed b too: one agent of three
+    alive, min_nodes 2. d, the agent the job needs, started at ``replaced_at``; round 2
+    trains from ``trains_at``."""
+    h = _edit(healthy(), _is("fault_start", index=0), kind="formation_fault", inner="agent_sigkill")
+    h = _add(h, 11.0, "harness", 1, "agent_killed", slot=1, agent_pid=200, signal="SIGKILL")
+    h = [{**e, "mono": replaced_at} if _is("agent_started", agent_pid=400)(e) else e for e in h]
+    return [e for e in h if not (_is("step", round=2)(e) and e["mono"] < trains_at)]
+
+
+BELOW_MIN = CheckConfig(min_nodes=2, max_nodes=4, lease_ttl=2, agents=3, agent_start_s=10.0)
+
+
+@pytest.mark.parametrize(("trains_at", "caught"), [(21.9, False), (22.5, True)])
+def test_below_min_nodes_the_bound_counts_from_the_agent_the_job_needed(
+    trains_at: float, caught: bool
+) -> None:
+    # d started 2 s into the fault: the bound is 2 + agent_start_s 10 = 12 s, not TTL + 5.
+    found = check(_below_min(12.0, trains_at), BELOW_MIN, only=["recovery_bound"])
+    assert bool(found) is caught
+    if caught:
+        assert "the agent the job needed started then" in found[0].message
+    # With min_nodes 1 the survivor alone could train: TTL + 5 holds, and 11.9 s breaks it.
+    lone = CheckConfig(min_nodes=1, max_nodes=4, lease_ttl=2, agents=3, agent_start_s=10.0)
+    assert check(_below_min(12.0, trains_at), lone, only=["recovery_bound"])
+
+
+def _restart_fault(kind: str, kills: list[float]) -> list[Event]:
+    """Fault 0 as ``kind``, a restart that removes no node, with worker kills at ``kills``
+    (round 2's workers start at 12.5 s and step from 14 s)."""
+    h = _edit(healthy(), _is("fault_start", index=0), kind=kind, removes_node=False)
+    for t in kills:
+        h = _add(h, t, "harness", 1, "worker_killed", worker_pid=101, agent_pid=100)
+    return h
+
+
+@pytest.mark.parametrize(
+    ("kind", "kills", "caught"),
+    [("warm_import_stuck", [10.0], False),
+     ("warm_import_stuck", [10.0, 14.2], True),  # no worker started after the second kill
+     ("master_port_restart", [10.0], False),
+     ("node_keys_deleted", [], False)],
+)  # fmt: skip
+def test_timed_restarts_train_again_within_ttl_and_slack(
+    kind: str, kills: list[float], caught: bool
+) -> None:
+    found = check(_restart_fault(kind, kills), only=["recovery_bound"])
+    assert bool(found) is caught, format_violations(found)
+    late = [
+        e for e in _restart_fault(kind, kills) if not (_is("step", round=2)(e) and e["mono"] < 17.5)
+    ]
+    assert check(late, only=["recovery_bound"]), "7.5 s after the fault is past TTL 2 + 5"

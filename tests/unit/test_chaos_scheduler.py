@@ -67,6 +67,7 @@ def test_durations_and_targets_fit_their_kind(ttl: float) -> None:
             "newcomer",
             "formation_fault",
             "rank_exchange_fault",
+            "warm_import_stuck",
         ):
             assert 0 <= f.target < n_agents, f
         else:
@@ -102,3 +103,11 @@ def test_bad_arguments_are_refused_with_their_values(
     args: dict[str, object] = {"seed": 1, "n_faults": 5, **kwargs}
     with pytest.raises(ValueError, match=message):
         plan(**args)  # type: ignore[arg-type]
+
+
+def test_pending_kinds_are_in_the_catalogue_but_not_drawn_by_default() -> None:
+    from tests.chaos.scheduler import CATALOGUE, PENDING
+
+    assert set(PENDING) <= set(CATALOGUE)
+    assert not set(PENDING) & set(ALL_KINDS)
+    assert [f.kind for f in plan(1, 2, tuple(PENDING))] == ["node_keys_deleted"] * 2

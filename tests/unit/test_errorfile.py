@@ -129,3 +129,27 @@ def test_report(tmp_path: Path) -> None:
     assert "Other failures:" in lines
     assert "  exit code  : -15 (SIGTERM)" in lines
     assert report.index("RuntimeError") < report.index("SIGTERM")
+
+
+@pytest.mark.parametrize("stamp", ["nan", "inf", "-inf", "1e300", "-1e300"])
+@pytest.mark.parametrize("flat", [False, True])
+def test_a_timestamp_no_clock_can_show_falls_back_to_the_exit_seen(
+    tmp_path: Path, stamp: str, flat: bool
+) -> None:
+    # What the agent does with a failed worker at its restart: read the file, pick the
+    # root cause, write the report; a "nan" or "inf" stamp crashed the agent here.
+    path = tmp_path / "e.json"
+    inner = {"message": "RuntimeError: boom", "extraInfo": {"timestamp": stamp}}
+    flat_form = {"message": "RuntimeError: boom", "timestamp": stamp}
+    path.write_text(json.dumps(flat_form if flat else {"message": inner}))
+    bad = read_failure(
+        global_rank=1, local_rank=1, pid=8, exitcode=1, error_file=str(path), observed_at=T0
+    )
+    other = read_failure(
+        global_rank=0, local_rank=0, pid=7, exitcode=-9, error_file=None, observed_at=T0 + 1
+    )
+    assert (bad.message, bad.timestamp) == ("RuntimeError: boom", T0)
+    failures = {1: bad, 0: other}
+    assert root_cause(failures) is bad
+    report = format_report("train.py", failures, "host")
+    assert "error      : RuntimeError: boom" in report

@@ -78,3 +78,37 @@ def test_appeared_keys_are_reported_once_each_for_the_timeline() -> None:
     # b's key gone and created again (a re-join with a new lease): a join again.
     table.apply([_delete("b", 9), _put("b", 10)])
     assert {n: i.create_revision for n, i in table.take_appeared().items()} == {"b": 10}
+
+
+def _foreign(key_id: str, named: str, revision: int) -> WatchEvent:
+    """A put under ``nodes/<key_id>`` whose value names ``named``."""
+    value = encode_node(NodeInfo(node_id=named, wanted_round=1))
+    return WatchEvent(
+        "put", KeyValue(PREFIX + key_id.encode(), value, revision, revision, 1, 9), None
+    )
+
+
+def test_a_value_naming_another_node_does_not_bring_a_dead_node_back() -> None:
+    table = NodeTable()
+    table.load([_kv("a", 3), _kv("b", 4)], 4)
+    # b's lease ended (its key went); then a stray key holds a copy of b's record.
+    assert table.apply([_delete("b", 5), _foreign("copy", "b", 6)])
+    assert _rounds(table) == {"a": 1}
+
+
+def test_a_value_naming_another_node_neither_replaces_it_nor_outlives_its_key() -> None:
+    table = NodeTable()
+    table.load([_kv("a", 3), _kv("b", 4, round_=2)], 4)
+    assert table.apply([_foreign("copy", "b", 5)])
+    assert _rounds(table) == {"a": 1, "b": 2}  # b's own record, not the copy
+    assert table.apply([_delete("b", 6)])
+    assert _rounds(table) == {"a": 1}  # gone with its own key
+    assert table.apply([_delete("copy", 7)])
+    assert _rounds(table) == {"a": 1}
+
+
+def test_a_read_with_a_value_naming_another_node_counts_the_key_s_node_only() -> None:
+    table = NodeTable()
+    foreign = _foreign("copy", "gone", 5).kv
+    table.load([_kv("a", 3), foreign], 5)
+    assert _rounds(table) == {"a": 1}

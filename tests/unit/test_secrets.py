@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -61,3 +62,34 @@ def test_the_password_file_is_read_at_each_authentication(tmp_path: Path) -> Non
         f"cannot read the etcd password file {str(secret)!r} of user 'u': No such file or "
         "directory; check the path and its permissions"
     )
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.decode().partition("=")[::2] for item in raw.split(b"\0") if item)
+
+
+def test_the_preflight_check_process_gets_no_password() -> None:
+    # Started as the agent starts it, ahead of the first round (Preflight.prepare), from
+    # the agent's own environment, which holds the password.
+    from agent.health.preflight import CheckProcess
+
+    env = {
+        "PATH": "/bin:/usr/bin",
+        "ETCD_ELASTIC_PASSWORD": SECRET,
+        "RDZVCTL_PASSWORD": SECRET,
+        "PET_RDZV_CONF": f"user=u,password={SECRET}",
+    }
+    proc = CheckProcess(env)
+    try:
+        # Until the fork execs the program, /proc shows the parent's environment.
+        cmdline = Path(f"/proc/{proc.pid}/cmdline")
+        deadline = time.monotonic() + 60
+        while b"agent.health.check_worker" not in cmdline.read_bytes():
+            assert time.monotonic() < deadline, "the check process never started"
+            time.sleep(0.01)
+        seen = _environ(proc.pid)
+    finally:
+        proc.kill()
+    assert SECRET not in "".join(f"{k}={v}" for k, v in seen.items())
+    assert seen["PET_RDZV_CONF"] == "user=u"

@@ -1,0 +1,188 @@
+"""One warm interpreter (:mod:`agent.workers.warm`'s pool keeps them): which commands and
+environments it may take, how it says it is ready, and when its import counts as stuck.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from coordinator.core.lifeline import Spawned
+
+__all__ = [
+    "LATE_KEYS",
+    "ImportBounds",
+    "WarmInterpreter",
+    "WarmTarget",
+    "counted",
+    "cpu_ticks",
+    "env_compatible",
+    "fits",
+    "warm_target",
+]
+
+# torchrun's per-attempt variables (and ours): set for each attempt, read by the worker's
+# code (init_process_group, the error handler), never while torch is imported.
+LATE_KEYS = frozenset(
+    {
+        "RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_USE_AGENT_STORE",
+        "ETCD_ELASTIC_ROUND",
+    }
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ImportBounds:
+    """When an importing interpreter counts as stuck. An import that hangs (on a lock, a
+    network file system, a stopped process) uses no CPU; one that is only slow, its
+    cores shared with others, keeps getting some. So the rule is the interpreter's CPU
+    time, read from ``/proc`` every ``check_s`` while it imports, not how long the import
+    takes (that depends on the machine's load).
+
+    Overdue (no CPU for ``overdue_idle_s``): another interpreter starts importing beside
+    it, and no worker start waits for it (a start waits for an import only because it
+    is ahead of a cold start). Given up (no CPU for ``kill_idle_s``, or importing for
+    ``kill_s`` in all): killed, and counted as a death (three in a row turn warm starts
+    off). On a machine so loaded that a runnable process gets no tick of CPU in
+    ``overdue_idle_s`` the worst case is one extra import.
+    """
+
+    check_s: float = 1.0
+    overdue_idle_s: float = 5.0
+    kill_idle_s: float = 30.0
+    kill_s: float = 300.0
+
+
+def cpu_ticks(pid: int) -> int:
+    """User plus system CPU time of process ``pid`` so far, in clock ticks.
+
+    Raises:
+        OSError: no such process.
+    """
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime and stime (fields 14 and 15)
+
+
+@dataclass(frozen=True)
+class WarmTarget:
+    """What a cold ``python -u`` would run: ``mode`` is script, module or code."""
+
+    python: str
+    mode: str
+    target: str
+    args: tuple[str, ...]
+
+
+def warm_target(argv: Sequence[str]) -> WarmTarget | None:
+    """The warm form of a worker's command line, or None if only a cold start will do
+    (not ``<python> -u ...``: ``--no-python``, or an interpreter with other flags)."""
+    if len(argv) < 3 or argv[1] != "-u" or not Path(argv[0]).name.startswith("python"):
+        return None
+    python, first, rest = argv[0], argv[2], tuple(argv[3:])
+    if first in ("-m", "-c"):
+        if not rest:
+            return None
+        return WarmTarget(python, "module" if first == "-m" else "code", rest[0], rest[1:])
+    if first.startswith("-"):
+        return None  # another interpreter flag: a cold start keeps its meaning
+    return WarmTarget(python, "script", first, rest)
+
+
+def env_compatible(started_with: Mapping[str, str], wanted: Mapping[str, str]) -> bool:
+    """Whether a process started with ``started_with`` may become a worker whose
+    environment is ``wanted``: equal but for :data:`LATE_KEYS`."""
+    keys = (started_with.keys() | wanted.keys()) - LATE_KEYS
+    return all(started_with.get(k) == wanted.get(k) for k in keys)
+
+
+class WarmInterpreter:
+    """One started warm process and this end of its control socket."""
+
+    def __init__(self, spawned: Spawned, sock: socket.socket, python: str, env: dict[str, str]):
+        self.spawned = spawned
+        self.sock = sock
+        self.python = python
+        self.env = env
+        self.ready = threading.Event()
+        self.failed: str | None = None
+        self.reported = False  # the program said why it failed (deterministic: an import)
+        self.started = time.monotonic()
+        self.overdue = False  # importing for longer than it should (see ImportBounds)
+        self.stuck = False  # given up: killed while still importing
+
+    def wait_ready(self, bounds: ImportBounds, on_overdue: Callable[[], None]) -> None:
+        """Block until the process reports (run on the pool's starter thread). An import
+        that uses no CPU for ``bounds.overdue_idle_s`` is marked overdue (then
+        ``on_overdue``); one given up (see :class:`ImportBounds`) is failed without a
+        report, for the caller to kill."""
+        try:
+            self.spawned.confirm()
+            report = self._report(bounds, on_overdue)
+        except OSError as exc:
+            report = f"failed {exc}".encode()
+        if report is None:
+            self.stuck = True
+        else:
+            text = report.decode(errors="replace")
+            if text != "ready":
+                self.reported = text.startswith("failed ")
+                self.failed = text.removeprefix("failed ").strip() or "it exited while starting"
+        self.ready.set()
+
+    def _report(self, bounds: ImportBounds, on_overdue: Callable[[], None]) -> bytes | None:
+        """What the process sent, or None once it is given up (``failed`` says why)."""
+        pid = self.spawned.process.pid
+        ticks, moved = -1, time.monotonic()
+        while True:
+            left = self.started + bounds.kill_s - time.monotonic()
+            self.sock.settimeout(max(1e-3, min(bounds.check_s, left)))
+            try:
+                return self.sock.recv(4096)
+            except TimeoutError:
+                pass
+            now = time.monotonic()
+            try:
+                seen = cpu_ticks(pid)
+            except OSError:
+                continue  # it exited: the socket says so next
+            if seen != ticks:
+                ticks, moved = seen, now
+            idle = now - moved
+            if not self.overdue and idle >= bounds.overdue_idle_s:
+                self.overdue = True
+                on_overdue()
+            if idle >= bounds.kill_idle_s:
+                self.failed = f"its import used no CPU for {idle:.0f} s"
+                return None
+            if now - self.started >= bounds.kill_s:
+                self.failed = f"it did not finish importing within {bounds.kill_s:.0f} s"
+                return None
+
+    def discard(self) -> None:
+        """Stop and reap an unused process."""
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.spawned.process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.spawned.process.wait(timeout=10)
+
+
+def counted(slot: Sequence[WarmInterpreter]) -> list[WarmInterpreter]:
+    """The processes of a slot that count towards its depth: all but overdue imports."""
+    return [w for w in slot if w.ready.is_set() or not w.overdue]
+
+
+def fits(warm: WarmInterpreter, target: WarmTarget, env: Mapping[str, str]) -> bool:
+    """Whether ``warm`` may become a worker running ``target`` with ``env``."""
+    return warm.failed is None and warm.python == target.python and env_compatible(warm.env, env)
