@@ -22,7 +22,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "coordinator.core": ("coordinator.core", "coordinator.generated"),
     "coordinator.rdzvctl": ("coordinator.rdzvctl", "coordinator.core"),
     "coordinator.torch_adapter": ("coordinator.torch_adapter", "coordinator.core"),
-    "coordinator.etcd_server": ("coordinator.core",),
+    "coordinator.etcd_server": ("coordinator.etcd_server", "coordinator.core"),
     "coordinator.etcd_proxy": ("coordinator.core", "coordinator.etcd_server"),
     "agent": (
         "agent",
