@@ -165,10 +165,12 @@ def init_distributed(backend: str, rank: int, world_size: int, restart: int) -> 
         return
     # torchrun's agent store outlives a restart, and plain env:// init would read the
     # previous attempt's gloo addresses from it (connection refused). A prefix per
-    # attempt keeps attempts apart. It must be the same on every node: etcdrun's round
-    # number is (etcdrun hosts a new store per round anyway); the restart count is not
-    # (a node whose worker failed counts a restart, the others re-form for a membership
-    # change and do not), so it serves only under torchrun.
+    # attempt keeps attempts apart. It must be the same on every node and new for every
+    # attempt: etcdrun's round number is (etcdrun hosts a new store per round anyway).
+    # The restart count is not: under etcdrun it is the job's, the same on every node,
+    # but a re-formation for a membership change leaves it as it was; under torchrun it
+    # is each node's own (a node whose worker failed counts a restart, the others
+    # re-form for a membership change and do not). It is all torchrun gives, though.
     attempt = os.environ.get("ETCD_ELASTIC_ROUND") or str(restart)
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],

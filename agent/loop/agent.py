@@ -11,8 +11,10 @@ cause as the reason (mode ``failed``) before stopping its workers, and a node wh
 is closed that way stops its workers at once and prints the reason in one line (a
 ``drain`` close lets the attempt finish); a node stopped by a signal leaves the
 rendezvous before stopping its workers; a rendezvous error ends the agent with one
-``etcdrun: error:`` line and never closes the run; a counted restart is given back when
-the next round has fewer nodes (:func:`agent.loop.policy.restart_refunded`).
+``etcdrun: error:`` line and never closes the run; ``--max-restarts`` is the job's budget
+with our rendezvous, counted once per round whichever nodes see the failure
+(:mod:`agent.loop.budget`), and a counted restart is given back when the next round has
+fewer nodes (:func:`coordinator.core.restart_budget.restart_refunded`).
 
 The loop never blocks inside library code: rendezvous, rank exchange and the exit
 barrier run as phases (:mod:`agent.loop.rounds`) while the loop waits on its event, so a stop
@@ -42,6 +44,7 @@ from agent.config import LaunchConfig
 from agent.health.hang import HangWatch, HangWatchDied, running_ranks
 from agent.health.hang_rules import hang_line
 from agent.health.preflight import HealthCheckFailed, Preflight
+from agent.loop.budget import DepartureHold, restart_budget
 from agent.loop.ending import (
     close_reason,
     close_rendezvous,
@@ -52,7 +55,7 @@ from agent.loop.ending import (
 )
 from agent.loop.launches import build_launches, warm_templates
 from agent.loop.phase import MembershipChanged, Phase, PhaseWaiter
-from agent.loop.policy import RestartBudget, Step, next_step, restart_cause, stop_for_closed_run
+from agent.loop.policy import Step, next_step, restart_cause, stop_for_closed_run
 from agent.loop.rounds import Formed, barrier_changed, barrier_phase, form_round, formation_changed
 from agent.observe.journal import NODE_ENV
 from agent.observe.metrics import RunMetrics, running_workers
@@ -120,7 +123,8 @@ class Agent:
         self._phases = PhaseWaiter(self._wake, lambda: self._stop_signal is not None)
         self._push_events = False
         self._stop_signal: int | None = None
-        self._budget = RestartBudget(config.max_restarts)
+        self._budget = restart_budget(config.max_restarts, self._rdzv)
+        self._hold = DepartureHold(self._rdzv)
         self._metrics = metrics or RunMetrics()
         self._metrics.restarts_left(self._budget.left)
         self._metrics.watch_workers(lambda: running_workers(self._group))
@@ -178,7 +182,7 @@ class Agent:
 
     @property
     def restart_count(self) -> int:
-        """Counted restarts used so far."""
+        """Counted restarts used so far (the job's, with our rendezvous)."""
         return self._budget.used
 
     @property
@@ -321,7 +325,8 @@ class Agent:
                 self._stop_for_closed_run(state)
             else:
                 changed = state is WorkerState.HEALTHY and self._handler.num_nodes_waiting() > 0
-                step = next_step(state, self._budget.left, changed)
+                step = next_step(state, self._budget.left_for_failure, changed)
+                step = self._hold.judge(step, state)  # a departure may yet explain it
                 if step is Step.CONTINUE:
                     continue
                 if step is Step.SUCCEED:

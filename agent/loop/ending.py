@@ -109,7 +109,7 @@ def close_reason(
     Args:
         who: the node, e.g. ``"node 1 (host)"``.
         failures: global rank -> failure of the last attempt (may be empty).
-        restarts_used: counted restarts this node used.
+        restarts_used: counted restarts used (the job's, with our rendezvous).
         reason: why it gave up when no worker failed (e.g. a worker could not start).
     """
     if failures:

@@ -11,10 +11,12 @@ from __future__ import annotations
 from enum import Enum
 
 from agent.workers.state import WorkerState
+from coordinator.core.restart_budget import restart_refunded
 
 __all__ = [
     "RestartBudget",
     "Step",
+    "failure_with_no_restart_left",
     "next_step",
     "restart_cause",
     "restart_refunded",
@@ -75,26 +77,35 @@ def next_step(group_state: WorkerState, restarts_left: int, membership_changed: 
     return Step.RESTART_UNCOUNTED if membership_changed else Step.CONTINUE
 
 
-def restart_refunded(failed_group_size: int, next_group_size: int) -> bool:
-    """Whether a counted restart is given back once the next round has formed.
+def failure_with_no_restart_left(
+    step: Step, state: WorkerState, departed: bool, held: float, window: float
+) -> Step:
+    """What a worker failure with no restart left does while a departure may explain it.
 
-    A node that dies (or is cut off) breaks its peers' collectives at once, so their
-    workers fail and the restart is counted, while the rendezvous learns of the loss only
-    when the node's lease ends, a TTL later. When the round after the failure has fewer
-    nodes than the round the workers failed in, a node went away and the failure is put
-    down to that membership change, which does not count (DESIGN §5). A genuine failure
-    that happens to coincide with a departure gets one free restart; torch counts both.
+    A node that dies breaks its peers' collectives at once, and the rendezvous learns of
+    it only when its lease ends, up to a TTL later. With restarts left, the failure is
+    counted and given back when the next round forms smaller (:func:`restart_refunded`);
+    with none left, giving up at once would end the job for a node's departure, which is
+    free (DESIGN §5). So the failure waits, up to ``window`` seconds (the lease TTL and a
+    second), for a participant of the round to be seen gone.
 
     Args:
-        failed_group_size: nodes in the round whose workers failed.
-        next_group_size: nodes in the round that formed after the failure.
+        step: what :func:`next_step` decided.
+        state: the worker group's state.
+        departed: a participant of this node's round has been seen gone.
+        held: seconds since this failure first came here.
+        window: how long a departure takes to be seen (0: never waited for).
 
-    Raises:
-        ValueError: a size is below 1.
+    Returns:
+        ``step``, unless it gives up on failed workers: then RESTART_UNCOUNTED once a
+        departure is seen (a membership change), CONTINUE while ``held < window``, FAIL
+        after.
     """
-    if failed_group_size < 1 or next_group_size < 1:
-        raise ValueError(f"group sizes must be >= 1, got {failed_group_size} and {next_group_size}")
-    return next_group_size < failed_group_size
+    if step is not Step.FAIL or state is not WorkerState.FAILED:
+        return step
+    if departed:
+        return Step.RESTART_UNCOUNTED
+    return Step.CONTINUE if held < window else Step.FAIL
 
 
 def stop_for_closed_run(group_state: WorkerState, closed: bool, close_mode: str) -> bool:
@@ -111,7 +122,9 @@ def stop_for_closed_run(group_state: WorkerState, closed: bool, close_mode: str)
 
 
 class RestartBudget:
-    """The counted restarts a node has left, and the one it may get back.
+    """The counted restarts a node has left, and the one it may get back: torchrun's
+    per-node budget, kept where the rendezvous keeps no count of the job (a handler that
+    is not ours; the job's budget is :class:`agent.loop.budget.JobBudget`).
 
     A restart is charged when a worker fails; when the next round turns out smaller, the
     failure followed a node's departure and the charge is refunded (see
@@ -126,6 +139,11 @@ class RestartBudget:
     @property
     def used(self) -> int:
         return self.max_restarts - self.left
+
+    @property
+    def left_for_failure(self) -> int:
+        """The restarts a failure of the current round may use: ``left``, per node."""
+        return self.left
 
     def charge(self, group_size: int) -> None:
         """A worker of a group of ``group_size`` nodes failed: one restart is used."""

@@ -26,6 +26,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from coordinator.core.errors import CorruptValueError
+from coordinator.core.restart_budget import RestartCount, count_message, count_of_message
 from coordinator.core.worker_kinds import put_workers, read_workers
 from coordinator.generated import rendezvous_pb2 as pb
 
@@ -45,13 +46,14 @@ __all__ = [
     "encode_state",
 ]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """2 added ``incarnation`` to the state and the node records; a value of version 1 has none
 and decodes as incarnation 1 (a reader of version 1 refuses version 2 with "upgrade every
 agent of the run"). 3 added what each participant runs (``worker_kinds``,
 ``worker_kind_of``) to the state; a value of version 2 has none (the agents then agree on
-ranks through the round's store)."""
-
+ranks through the round's store). 4 added the job's restart count (``restarts``): an
+older agent must not join such a run (counting per node, a node that leaves and joins
+again would bypass the job's budget), so it refuses it with "upgrade every agent"."""
 
 MAX_ROUND = 2**63 - 2
 """The highest round a state may hold: nodes ask for ``round + 1`` and a completion writes
@@ -144,6 +146,7 @@ class RdzvState:
         workers: (role, local world size) of each participant, by rank, from the node
             records at completion; empty: not known
             (:mod:`coordinator.core.worker_kinds`).
+        restarts: the job's counted restarts (:mod:`coordinator.core.restart_budget`).
     """
 
     round: int = 0
@@ -164,6 +167,7 @@ class RdzvState:
     hang: Hang | None = None
     quarantined: tuple[Quarantine, ...] = ()
     workers: tuple[tuple[str, int], ...] = ()
+    restarts: RestartCount = field(default_factory=RestartCount)
 
     def quarantine_of(self, node_id: str) -> Quarantine | None:
         """The quarantine of ``node_id``, or None if it is not quarantined."""
@@ -275,6 +279,7 @@ def encode_state(state: RdzvState) -> bytes:
             )
             for q in state.quarantined
         ],
+        restarts=count_message(state.restarts),
     )
     put_workers(msg, state.workers)
     if state.hang is not None:
@@ -337,6 +342,7 @@ def _decode_state_cached(key: str, raw: bytes) -> RdzvState:
             Quarantine(q.node_id, q.reason, q.until_unix_ms, q.addr) for q in msg.quarantined
         ),
         workers=read_workers(key, msg, len(ids)),
+        restarts=count_of_message(key, msg.restarts, msg.round),
     )
 
 

@@ -39,6 +39,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from coordinator.core.quarantine import ended, new_entries, release_in
+from coordinator.core.restart_budget import counted, counts, settled
 from coordinator.core.state import CloseMode, Hang, NodeInfo, Quarantine, RdzvState
 from coordinator.core.tally import Tally, tally_of
 from coordinator.core.worker_kinds import pack_workers
@@ -51,6 +52,7 @@ __all__ = [
     "NodeAction",
     "apply",
     "close",
+    "count_restart",
     "decide_coordinator",
     "decide_node",
     "declare_hang",
@@ -174,6 +176,9 @@ class ActionKind(enum.Enum):
     ADD_TO_QUARANTINE = "add_to_quarantine"
     #: A quarantine ended (by the coordinator's clock) or its node's key is gone.
     REMOVE_FROM_QUARANTINE = "remove_from_quarantine"
+    #: The workers of the state's round failed (or hung): one restart of the job's
+    #: ``--max-restarts`` is used (:mod:`coordinator.core.restart_budget`).
+    COUNT_RESTART = "count_restart"
 
 
 @dataclass(frozen=True)
@@ -192,6 +197,8 @@ class Action:
     hang: Hang | None = None
     # ADD_TO_QUARANTINE only:
     quarantine: tuple[Quarantine, ...] = ()
+    # COUNT_RESTART only: the round whose failure is counted.
+    restart_round: int = 0
 
 
 @dataclass(frozen=True)
@@ -429,6 +436,8 @@ def apply(
                 master_port=action.master_port,
                 workers=action.workers,
                 completed_at_unix_ms=now_unix_ms,
+                # The last round's restart is given back if this round is smaller.
+                restarts=settled(state.restarts, state.round, len(state.participants), len(ids)),
             )
         elif kind is ActionKind.MARK_RENDEZVOUS_CLOSED:
             state = replace(
@@ -452,6 +461,8 @@ def apply(
             gone = set(ids)
             kept = tuple(q for q in state.quarantined if q.node_id not in gone)
             state = replace(state, quarantined=kept)
+        elif kind is ActionKind.COUNT_RESTART:
+            state = replace(state, restarts=counted(state.restarts, action.restart_round))
         elif kind is ActionKind.START_INCARNATION:
             state = RdzvState(round=state.round, incarnation=state.incarnation + 1)
     return replace(state, written_by=written_by) if written_by else state
@@ -493,6 +504,17 @@ def declare_hang(state: RdzvState, hang: Hang) -> tuple[Action, ...]:
     if state.hang is not None and state.hang.round == hang.round:
         return ()
     return (Action(ActionKind.DECLARE_HANG, hang=hang),)
+
+
+def count_restart(state: RdzvState, round: int, incarnation: int = 0) -> tuple[Action, ...]:
+    """The actions that count a failure of ``round`` against the job's budget: none when
+    it is counted already, is not the state's round, or the run (or ``incarnation``, when
+    given) is closed or over (:func:`coordinator.core.restart_budget.counts`)."""
+    if incarnation and incarnation != state.incarnation:
+        return ()
+    if not counts(state.restarts, round, state.round, state.closed):
+        return ()
+    return (Action(ActionKind.COUNT_RESTART, restart_round=round),)
 
 
 def quarantine(state: RdzvState, entries: Sequence[Quarantine]) -> tuple[Action, ...]:

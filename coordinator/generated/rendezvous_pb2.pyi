@@ -64,7 +64,7 @@ class Participant(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class RendezvousState(_message.Message):
-    __slots__ = ("schema_version", "round", "complete", "closed", "participants", "wait_list", "redundancy_list", "lost", "closed_reason", "completed_at_unix_ms", "written_by", "master_addr", "master_port", "close_mode", "closed_at_unix_ms", "incarnation", "draining", "hang", "quarantined", "worker_kinds", "worker_kind_of")
+    __slots__ = ("schema_version", "round", "complete", "closed", "participants", "wait_list", "redundancy_list", "lost", "closed_reason", "completed_at_unix_ms", "written_by", "master_addr", "master_port", "close_mode", "closed_at_unix_ms", "incarnation", "draining", "hang", "quarantined", "worker_kinds", "worker_kind_of", "restarts")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class RendezvousState(_message.Message):
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     WORKER_KINDS_FIELD_NUMBER: _ClassVar[int]
     WORKER_KIND_OF_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     round: int
     complete: bool
@@ -107,7 +108,8 @@ class RendezvousState(_message.Message):
     quarantined: _containers.RepeatedCompositeFieldContainer[Quarantine]
     worker_kinds: _containers.RepeatedCompositeFieldContainer[WorkerKind]
     worker_kind_of: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, schema_version: _Optional[int] = ..., round: _Optional[int] = ..., complete: _Optional[bool] = ..., closed: _Optional[bool] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., wait_list: _Optional[_Iterable[str]] = ..., redundancy_list: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[str]] = ..., closed_reason: _Optional[str] = ..., completed_at_unix_ms: _Optional[int] = ..., written_by: _Optional[str] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., close_mode: _Optional[_Union[CloseMode, str]] = ..., closed_at_unix_ms: _Optional[int] = ..., incarnation: _Optional[int] = ..., draining: _Optional[_Iterable[str]] = ..., hang: _Optional[_Union[Hang, _Mapping]] = ..., quarantined: _Optional[_Iterable[_Union[Quarantine, _Mapping]]] = ..., worker_kinds: _Optional[_Iterable[_Union[WorkerKind, _Mapping]]] = ..., worker_kind_of: _Optional[_Iterable[int]] = ...) -> None: ...
+    restarts: RestartCount
+    def __init__(self, schema_version: _Optional[int] = ..., round: _Optional[int] = ..., complete: _Optional[bool] = ..., closed: _Optional[bool] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., wait_list: _Optional[_Iterable[str]] = ..., redundancy_list: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[str]] = ..., closed_reason: _Optional[str] = ..., completed_at_unix_ms: _Optional[int] = ..., written_by: _Optional[str] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., close_mode: _Optional[_Union[CloseMode, str]] = ..., closed_at_unix_ms: _Optional[int] = ..., incarnation: _Optional[int] = ..., draining: _Optional[_Iterable[str]] = ..., hang: _Optional[_Union[Hang, _Mapping]] = ..., quarantined: _Optional[_Iterable[_Union[Quarantine, _Mapping]]] = ..., worker_kinds: _Optional[_Iterable[_Union[WorkerKind, _Mapping]]] = ..., worker_kind_of: _Optional[_Iterable[int]] = ..., restarts: _Optional[_Union[RestartCount, _Mapping]] = ...) -> None: ...
 
 class WorkerKind(_message.Message):
     __slots__ = ("role", "local_world_size")
@@ -116,6 +118,16 @@ class WorkerKind(_message.Message):
     role: str
     local_world_size: int
     def __init__(self, role: _Optional[str] = ..., local_world_size: _Optional[int] = ...) -> None: ...
+
+class RestartCount(_message.Message):
+    __slots__ = ("used", "round", "refunded")
+    USED_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    REFUNDED_FIELD_NUMBER: _ClassVar[int]
+    used: int
+    round: int
+    refunded: bool
+    def __init__(self, used: _Optional[int] = ..., round: _Optional[int] = ..., refunded: _Optional[bool] = ...) -> None: ...
 
 class Hang(_message.Message):
     __slots__ = ("round", "nodes", "step", "behind", "declared_by", "stalled_ms", "declared_at_unix_ms")

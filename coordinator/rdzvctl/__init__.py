@@ -3,6 +3,6 @@
 See :mod:`coordinator.rdzvctl.main` for the commands and exit codes.
 """
 
-from coordinator.rdzvctl.main import main, run_command
+from coordinator.rdzvctl.main import main, program, run_command
 
-__all__ = ["main", "run_command"]
+__all__ = ["main", "program", "run_command"]

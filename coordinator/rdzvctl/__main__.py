@@ -1,7 +1,5 @@
 """``python -m coordinator.rdzvctl``: the same as the ``rdzvctl`` console script."""
 
-import sys
+from coordinator.rdzvctl.main import program
 
-from coordinator.rdzvctl.main import main
-
-sys.exit(main())
+program()

@@ -2,7 +2,8 @@
 
 Loaded only once the command line has been checked (:func:`coordinator.rdzvctl.main.run_command`):
 this is where grpc and the etcd client come in. Within it, each command imports what
-only it needs (gc's writer, the watch loop), so ``status`` and ``list`` load neither.
+only it needs (gc's writer, the watch loop, the run's history), so ``status`` and
+``list`` load none of them.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from coordinator.rdzvctl.format import (
     status_json,
     status_lines,
 )
-from coordinator.rdzvctl.history import pick_incarnation, read_history
 from coordinator.rdzvctl.model import RunSnapshot, list_runs, phase, read_run
 
 if TYPE_CHECKING:
@@ -211,16 +211,11 @@ def _drain(client: EtcdClient, opts: Options, out: _Out) -> int:
     raise _Failed(f"could not drain {node}: the state of run {keys.run_id} kept changing")
 
 
-def _no_events(keys: RunKeys) -> _Failed:
-    return _Failed(
-        f"run {keys.run_id!r} has no events: nothing under {keys.events_prefix.decode()} "
-        "(agents older than the run timeline record none)"
-    )
-
-
 def _one_incarnation(keys: RunKeys, opts: Options, out: _Out, events: list[Event]) -> list[Event]:
     """The events of the incarnation asked for (default: the newest); stderr says when
     another incarnation's were left out."""
+    from coordinator.rdzvctl.history import pick_incarnation
+
     try:
         picked, note = pick_incarnation(keys.run_id, events, opts.incarnation)
     except ValueError as exc:
@@ -228,6 +223,21 @@ def _one_incarnation(keys: RunKeys, opts: Options, out: _Out, events: list[Event
     if note is not None:
         out.err.write(f"{PROG}: {note}\n")
     return picked
+
+
+def _stored_events(client: EtcdClient, keys: RunKeys, opts: Options, out: _Out) -> list[Event]:
+    """The run's events (of one incarnation, see above); each unreadable one is a warning."""
+    from coordinator.rdzvctl.history import read_history
+
+    history = read_history(client, keys)
+    for error in history.errors:
+        out.warn(f"skipped: {error}")
+    if not history.events:
+        raise _Failed(
+            f"run {keys.run_id!r} has no events: nothing under {keys.events_prefix.decode()} "
+            "(agents older than the run timeline record none)"
+        )
+    return _one_incarnation(keys, opts, out, history.events)
 
 
 def _events(client: EtcdClient, opts: Options, out: _Out) -> int:
@@ -247,12 +257,7 @@ def _events(client: EtcdClient, opts: Options, out: _Out) -> int:
         out.warn(f"skipped: {exc}")
 
     if not opts.follow:
-        history = read_history(client, keys)
-        for error in history.errors:
-            on_error(error)
-        if not history.events:
-            raise _no_events(keys)
-        for event in _one_incarnation(keys, opts, out, history.events):
+        for event in _stored_events(client, keys, opts, out):
             emit(event)
         return EXIT_OK
     inbox: queue.Queue[Any] = queue.Queue()
@@ -276,12 +281,7 @@ def _timeline(client: EtcdClient, opts: Options, out: _Out) -> int:
 
     keys = _run_keys(opts)
     _require_run(client, keys)
-    history = read_history(client, keys)
-    for error in history.errors:
-        out.warn(f"skipped: {error}")
-    if not history.events:
-        raise _no_events(keys)
-    events = _one_incarnation(keys, opts, out, history.events)
+    events = _stored_events(client, keys, opts, out)
     try:
         data = prepare(keys.run_id, events)
     except ValueError as exc:

@@ -11,6 +11,7 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from coordinator.core.restart_budget import describe
 from coordinator.rdzvctl.model import NodeView, RunSnapshot, joining, phase
 from coordinator.rdzvctl.progress_format import hang_json, progress_json, progress_lines
 
@@ -158,6 +159,8 @@ def _state_block(snapshot: RunSnapshot, now_ms: int, tz: datetime.tzinfo | None)
         f"lost:            {_list(state.lost)}",
         f"draining:        {_list(state.draining)}",
     ]
+    if state.restarts.round:  # once the job counted a restart (etcdrun's --max-restarts)
+        lines.append(f"restarts:        {describe(state.restarts)}")
     if state.quarantined:
         # Shown only when there are some: a run without --health-check never has any.
         lines.append(f"quarantined:     {len(state.quarantined)} (left out of the rounds)")
@@ -267,6 +270,7 @@ def status_json(snapshot: RunSnapshot) -> dict[str, Any]:
         ],
         "joining": list(joining(snapshot)),
         "hang": hang_json(state.hang),
+        "restarts": dict(vars(state.restarts)),  # used, round, refunded
     }
     current = phase(snapshot)
     if current == "unreadable":

@@ -61,6 +61,7 @@ from coordinator.core.listeners import Listeners
 from coordinator.core.participation import Participation
 from coordinator.core.ports import free_port
 from coordinator.core.quarantine import quarantined_ids
+from coordinator.core.restart_budget import RestartCount
 from coordinator.core.run_lease import RunLease
 from coordinator.core.settings import RendezvousSettings
 from coordinator.core.state import CloseMode, Hang, NodeInfo, Quarantine, RdzvState
@@ -68,6 +69,7 @@ from coordinator.core.threads import ThreadDied
 from coordinator.core.transitions import (
     Limits,
     NodeAction,
+    count_restart,
     decide_node,
     incarnation_to_join,
     is_spare,
@@ -501,6 +503,40 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     can_quarantine = True
     """Ours keeps quarantined nodes out of the rounds (:meth:`quarantine`)."""
+
+    # -- the job's restart budget (coordinator/core/restart_budget.py) -----------------
+
+    job_restart_budget = True
+    """Ours counts restarts once for the job, in the state (:meth:`count_restart`)."""
+
+    @torch_errors
+    def count_restart(self, round: int) -> RestartCount:
+        """Count a failure (or hang) of ``round`` against the job's ``--max-restarts``,
+        once for the job: nothing is written when the watched state shows it counted, and
+        a lost race decides again from the winner's value. Returns the job's count."""
+        view = self._participation().view
+        executor = StateExecutor(self._etcd(), self._keys, written_by=self.node_id)
+        commit = executor.update(
+            lambda state: count_restart(state, round, self.incarnation),
+            known=view.snapshot(),
+            on_conflict=view.offer,
+        )
+        if commit is None:
+            return view.peek().restarts
+        view.offer_written(commit.state, commit.revision)
+        return commit.state.restarts
+
+    @property
+    def job_restarts(self) -> RestartCount:
+        """The job's counted restarts, from the watched view (none before the first join)."""
+        parts = self._current()
+        return parts.view.peek().restarts if parts is not None else RestartCount()
+
+    @property
+    def departure_seen_within(self) -> float:
+        """A participant that died is in the state's ``lost`` list within its lease TTL
+        and a second (the watch and the coordinator's commit)."""
+        return self._settings.lease_ttl + 1.0
 
     @property
     def drain_requested(self) -> bool:

@@ -5,12 +5,13 @@ Our handler (:class:`coordinator.torch_adapter.handler.EtcdRendezvousHandler`) i
 :class:`RendezvousSurface` itself; mypy checks it where :func:`surface_of` returns it. Any
 other torch handler (c10d, torch's etcd) gets :class:`ForeignSurface`, which says what
 such a backend cannot do: it pushes no events, keeps no timeline, cannot quarantine or
-drain, and knows no round numbers. So a typo in a name is a type error, not a feature
+drain, knows no round numbers, and keeps no count of the job's restarts (the agent counts
+them per node, as torchrun does). So a typo in a name is a type error, not a feature
 silently turned off.
 
 Every property answers from memory (the watched view), never with a round trip, and
-never raises; the methods that write (``leave``, ``record_event``, ``quarantine``) are
-documented on the protocol.
+never raises; the methods that write (``leave``, ``record_event``, ``quarantine``,
+``count_restart``) are documented on the protocol.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 
 from coordinator.core.events import Event
+from coordinator.core.restart_budget import RestartCount
 from coordinator.core.state import CloseMode, Hang, Quarantine
 from coordinator.torch_adapter.handler import EtcdRendezvousHandler
 
@@ -85,6 +87,29 @@ class RendezvousSurface(Protocol):
         """Whether :meth:`quarantine` can keep nodes out of the rounds."""
         ...
 
+    @property
+    def job_restart_budget(self) -> bool:
+        """Whether ``--max-restarts`` is the job's, counted once per round in the
+        rendezvous (False: each node counts its own, as torchrun does)."""
+        ...
+
+    @property
+    def job_restarts(self) -> RestartCount:
+        """The job's counted restarts (nothing counted where the backend keeps none)."""
+        ...
+
+    def count_restart(self, round: int) -> RestartCount:
+        """Count a failure (or hang) of ``round`` once for the job (a guarded write, none
+        when it is counted already) and return the job's count; a backend without a
+        job's count returns nothing counted."""
+        ...
+
+    @property
+    def departure_seen_within(self) -> float:
+        """Seconds within which every node sees a participant that died or was cut off
+        (its lease TTL and a second); 0 where the backend cannot tell."""
+        ...
+
     def subscribe(self, callback: Callable[[], None]) -> Callable[[], None] | None:
         """Call ``callback`` (on a background thread; it must not block) whenever
         ``num_nodes_waiting()`` may have changed; returns the unsubscribe function, or
@@ -128,6 +153,13 @@ class ForeignSurface:
     declared_hang: Hang | None = None
     quarantined_nodes: frozenset[str] = frozenset()
     can_quarantine = False
+    job_restart_budget = False
+    job_restarts = RestartCount()
+
+    def count_restart(self, round: int) -> RestartCount:
+        return RestartCount()
+
+    departure_seen_within = 0.0
 
     def subscribe(self, callback: Callable[[], None]) -> Callable[[], None] | None:
         return None

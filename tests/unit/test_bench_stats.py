@@ -229,3 +229,24 @@ def test_verdicts_other_scenarios() -> None:
 def test_verdicts_say_not_measured_when_a_figure_is_missing() -> None:
     results = [_result("scale-up", "N=8+1", _entry(None))]
     assert verdicts(results, ceiling=None, lease_ttl=5) == ["scale-up: not measured"]
+
+
+def test_startup_puts_each_command_beside_its_etcdctl_baseline() -> None:
+    from benchmarks.startup import against_baseline
+
+    commands: dict[str, dict[str, Any]] = {
+        "rdzvctl list": {"median": 0.13, "baseline": "etcdctl get"},
+        "rdzvctl status": {"median": 0.31, "baseline": "etcdctl get"},
+        "rdzvctl events": {"median": None, "baseline": "etcdctl get"},  # it failed
+        "etcdrun --help": {"median": 0.2, "baseline": None},
+        "etcdctl get": {"median": 0.02, "baseline": None},
+    }
+    rows = {row["command"]: row for row in against_baseline(commands, 0.3)}
+    assert sorted(rows) == ["rdzvctl events", "rdzvctl list", "rdzvctl status"]
+    assert (rows["rdzvctl list"]["ratio"], rows["rdzvctl list"]["within_target"]) == (6.5, True)
+    assert rows["rdzvctl status"]["within_target"] is False
+    assert (rows["rdzvctl events"]["ratio"], rows["rdzvctl events"]["within_target"]) == (
+        None,
+        None,
+    )
+    assert rows["rdzvctl list"]["baseline_median"] == 0.02

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.core.errors import CorruptValueError
+from coordinator.core.restart_budget import RestartCount
 from coordinator.core.state import (
     MAX_ROUND,
     SCHEMA_VERSION,
@@ -41,6 +42,7 @@ _FULL_STATE = RdzvState(
     completed_at_unix_ms=1_700_000_000_123,
     written_by="host-a-100-0",
     workers=(("trainer", 8), ("ps", 1), ("trainer", 8)),
+    restarts=RestartCount(used=2, round=6, refunded=True),
 )
 
 _FULL_NODE = NodeInfo(
@@ -94,7 +96,7 @@ def test_zero_values_are_written() -> None:
 def test_encoded_state_is_readable_json_with_field_names() -> None:
     raw = encode_state(_FULL_STATE)
     doc = json.loads(raw.decode("utf-8"))
-    assert doc["schema_version"] == SCHEMA_VERSION == 3
+    assert doc["schema_version"] == SCHEMA_VERSION == 4
     assert doc["incarnation"] == "1"
     # protobuf's JSON mapping writes int64 as a string; zero values are written too
     # (rank 0, "closed": false), so an operator reading etcdctl output sees every field.
@@ -118,6 +120,7 @@ def test_encoded_state_is_readable_json_with_field_names() -> None:
         {"role": "ps", "local_world_size": 1},
     ]
     assert doc["worker_kind_of"] == [0, 1, 0]
+    assert doc["restarts"] == {"used": "2", "round": "6", "refunded": True}
     assert b"\n" not in raw  # one line in `etcdctl get` output
 
 
@@ -156,7 +159,7 @@ def test_workers_the_state_cannot_hold_are_left_out_by_the_coordinator(
 def test_encoded_node_is_readable_json_with_field_names() -> None:
     doc = json.loads(encode_node(_FULL_NODE).decode("utf-8"))
     assert doc == {
-        "schema_version": 3,
+        "schema_version": 4,
         "node_id": "host-a-100-0",
         "addr": "10.0.0.1",
         "hostname": "host-a",
@@ -179,6 +182,14 @@ def test_values_of_schema_version_1_are_incarnation_1() -> None:
     assert node.incarnation == 1
     again = RdzvState(round=3, incarnation=7)
     assert decode_state(KEY, encode_state(again)).incarnation == 7
+
+
+def test_values_before_schema_version_4_count_no_restart() -> None:
+    """Written before the job's restart budget: nothing counted; always written since."""
+    old = {"schema_version": 3, "round": "3", "participants": [{"node_id": "a"}]}
+    assert decode_state(KEY, _json(old)).restarts == RestartCount()
+    doc = json.loads(encode_state(RdzvState()).decode("utf-8"))
+    assert doc["restarts"] == {"used": "0", "round": "0", "refunded": False}
 
 
 # --- refusals ----------------------------------------------------------------------------
@@ -231,9 +242,15 @@ STATE_REFUSALS: list[tuple[str, bytes, str]] = [
      "no schema_version: not written by etcd-elastic"),
     ("schema_version 0", _json({"schema_version": 0, "round": "3"}),
      "no schema_version: not written by etcd-elastic"),
-    ("newer schema_version", _json({"schema_version": 4, "round": "3"}),
-     "schema_version 4 is newer than this etcd-elastic understands (3); "
+    ("newer schema_version", _json({"schema_version": 5, "round": "3"}),
+     "schema_version 5 is newer than this etcd-elastic understands (4); "
      "upgrade every agent of the run"),
+    ("negative restarts used", _json({"schema_version": 4, "round": "3",
+     "restarts": {"used": "-1", "round": "2"}}),
+     "restarts: -1 used, last counted in round 2: not a count of rounds 0..3"),
+    ("restarts counted in a round not reached", _json({"schema_version": 4, "round": "3",
+     "restarts": {"used": "1", "round": "4"}}),
+     "restarts: 1 used, last counted in round 4: not a count of rounds 0..3"),
     ("ranks not from 0", _json({"schema_version": 1, "round": "1",
      "participants": [{"node_id": "a", "rank": 1}, {"node_id": "b", "rank": 2}]}),
      "participant ranks [1, 2] are not 0..1"),
@@ -327,7 +344,7 @@ NODE_REFUSALS: list[tuple[str, bytes, str]] = [
     ("no schema_version", _json({"node_id": "a", "wanted_round": "1"}),
      "no schema_version: not written by etcd-elastic"),
     ("newer schema_version", _json({"schema_version": 9, "node_id": "a"}),
-     "schema_version 9 is newer than this etcd-elastic understands (3); "
+     "schema_version 9 is newer than this etcd-elastic understands (4); "
      "upgrade every agent of the run"),
     ("negative wanted_round", _json({"schema_version": 1, "wanted_round": "-2"}),
      "negative wanted_round -2"),

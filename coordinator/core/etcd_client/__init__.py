@@ -2,8 +2,9 @@
 
 Everything else in the project uses only the names in ``__all__``; swapping the client
 library must touch this package only. ``python3-etcd3`` contributes nothing but etcd's
-generated stubs and messages (``etcd3.etcdrpc``); channels, failover, retries, auth
-tokens, watch streams and keep-alive streams are ours (docs/decisions/etcd-client.md).
+generated stubs and messages (``etcd3.etcdrpc``, loaded by ``_etcdrpc`` without the rest
+of python3-etcd3); channels, failover, retries, auth tokens, watch streams and keep-alive
+streams are ours (docs/decisions/etcd-client.md).
 
 Error boundary: no ``grpc.RpcError`` leaves this package. Every failure becomes a
 ``coordinator.core.errors`` type (``raise … from exc``):
@@ -33,6 +34,7 @@ Messages name keys as text (``/etcd-elastic/job/state``), never as a bytes repr.
 Layout, one concept per module (import from this package, not from them):
 
 * ``_types``: ``EtcdConfig`` and its validation, the values etcd returns, key ranges;
+* ``_etcdrpc``: etcd's generated stubs and messages, without python3-etcd3's client;
 * ``_failover``: failure kinds of a gRPC status, backoff, the endpoint ring,
   ``run_with_failover`` (pure: clock, sleep and rng are injected);
 * ``_connection``: channels, the auth token, one unary RPC with failover and error

@@ -10,10 +10,10 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
-from etcd3 import etcdrpc
 
 from coordinator.core.errors import EtcdConnectionError, LeaseLostError
 from coordinator.core.etcd_client._connection import Metadata, _stream_metadata
+from coordinator.core.etcd_client._etcdrpc import etcdrpc
 from coordinator.core.etcd_client._failover import NOT_FOUND, _status, classify_status
 from coordinator.core.etcd_client._keepalive import KeepAlive, OnReachable, OnUnreachable
 from coordinator.core.etcd_client._keepalive_stream import _KeepAliveStream

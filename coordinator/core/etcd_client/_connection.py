@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import grpc
-from etcd3 import etcdrpc
 
 from coordinator.core.errors import EtcdAuthError, EtcdConnectionError, LeaseLostError
+from coordinator.core.etcd_client._etcdrpc import etcdrpc
 from coordinator.core.etcd_client._failover import (
     AUTH_DISABLED,
     AUTH_FAILED,

@@ -16,10 +16,10 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from etcd3 import etcdrpc
 
 from coordinator.core.errors import EtcdConnectionError
 from coordinator.core.etcd_client._connection import Metadata, StreamEnd, _stream_metadata
+from coordinator.core.etcd_client._etcdrpc import etcdrpc
 from coordinator.core.etcd_client._failover import (
     NOT_FOUND,
     REAUTH,

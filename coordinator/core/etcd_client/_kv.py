@@ -13,9 +13,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from etcd3 import etcdrpc
-
 from coordinator.core.etcd_client._connection import _Connection
+from coordinator.core.etcd_client._etcdrpc import etcdrpc
 from coordinator.core.etcd_client._types import (
     KeyValue,
     TxnResult,

@@ -20,10 +20,10 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from etcd3 import etcdrpc
 
 from coordinator.core.errors import EtcdConnectionError
 from coordinator.core.etcd_client._connection import Metadata
+from coordinator.core.etcd_client._etcdrpc import etcdrpc
 from coordinator.core.etcd_client._failover import RETRY, _status, classify_status
 from coordinator.core.etcd_client._liveness import Probe, watch_probe
 

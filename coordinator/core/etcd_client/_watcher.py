@@ -9,10 +9,10 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from etcd3 import etcdrpc
 
 from coordinator.core.errors import EtcdAuthError, EtcdConnectionError, EtcdTLSError
 from coordinator.core.etcd_client._connection import Metadata, StreamEnd, _stream_metadata
+from coordinator.core.etcd_client._etcdrpc import etcdrpc
 from coordinator.core.etcd_client._failover import (
     PERMISSION,
     REAUTH,
