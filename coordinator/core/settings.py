@@ -70,8 +70,8 @@ __all__ = [
     "PASSWORD_ENV",
     "ParametersLike",
     "RendezvousSettings",
-    # Re-exported only for coordinator/rdzvctl/cli.py, whose split is under way elsewhere:
-    # its import moves to coordinator.core.endpoints, then this line goes.
+    # Re-exported only for coordinator/rdzvctl/cli.py (left alone while its split was
+    # under way): once it imports coordinator.core.endpoints, this line goes.
     "parse_endpoints",
 ]
 
