@@ -33,9 +33,10 @@ from agent.cli.values import (
     parse_whole,
 )
 from agent.config import LaunchConfig
+from coordinator.core.endpoints import parse_endpoints
 from coordinator.core.errors import ConfigError
 from coordinator.core.keys import validate_run_id
-from coordinator.core.settings import RendezvousSettings, parse_endpoints
+from coordinator.core.settings import RendezvousSettings
 from coordinator.core.timeouts import Finding, nesting
 
 __all__ = ["BACKENDS", "build_config", "scheduler_run_id", "timeout_findings", "warn_ignored"]

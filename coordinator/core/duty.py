@@ -44,11 +44,12 @@ from dataclasses import dataclass
 
 from coordinator.core.commit_events import EventRecorder
 from coordinator.core.errors import CorruptValueError, EtcdElasticError
-from coordinator.core.etcd_client import EtcdClient, Watch, WatchEvent
+from coordinator.core.etcd_client import EtcdClient, WatchEvent
 from coordinator.core.event_log import EventLog
 from coordinator.core.executor import Commit, Fence, StateExecutor
 from coordinator.core.keys import RunKeys
-from coordinator.core.node_table import NodeTable
+from coordinator.core.node_watch import NodeWatch
+from coordinator.core.state import RdzvState
 from coordinator.core.store_rounds import highest_store_round
 from coordinator.core.threads import DeathListener, start_guarded
 from coordinator.core.transitions import Action, Limits, decide_coordinator, to_restore
@@ -80,6 +81,19 @@ class _Signal:
     def wait(self, timeout: float | None) -> None:
         self._event.wait(timeout)
         self._event.clear()
+
+
+@dataclass
+class _Term:
+    """What one leadership term carries from one pass of its loop to the next."""
+
+    executor: StateExecutor
+    fence: Fence  # this node's key as it was elected: every commit is guarded by it
+    recorder: EventRecorder
+    deadline: float | None = None  # the running last call of round deadline_round
+    deadline_round: int = -1
+    paused: bool = False  # the state key is unreadable: wait for a valid value
+    store_floor: int | None = None  # read once per term, only if the key is absent
 
 
 class CoordinatorDuty:
@@ -121,9 +135,7 @@ class CoordinatorDuty:
         self._wall_ms = wall_ms
         self._stop = threading.Event()
         self._signal = _Signal()
-        self._nodes = NodeTable()
-        self._nodes_lock = threading.Lock()
-        self._resync = threading.Event()
+        self._nodes = NodeWatch(client, keys.nodes_prefix, self._signal.set)
         self._on_death = on_death
         self.is_leader = False
         self.commits = 0
@@ -225,103 +237,137 @@ class CoordinatorDuty:
         return False
 
     def _lead(self, me: Membership) -> bool:
-        """Coordinate until this node must step down; whether a commit was fenced out."""
+        """Coordinate until this node must step down; whether a commit was fenced out.
+
+        Each pass: check this node still holds the key it was elected with, read the
+        state (pausing while it is unreadable), write back a deleted state, decide, then
+        commit what was decided or sleep until the decision's wake-up time or an event.
+        """
         log.info("node %s coordinates run %s", me.node_id, self._keys.run_id)
         executor = StateExecutor(
             self._client, self._keys, written_by=me.node_id, wall_ms=self._wall_ms
         )
-        fence = Fence(me.key, me.create_revision)
-        watch = self._watch_nodes()
+        term = _Term(
+            executor, Fence(me.key, me.create_revision), EventRecorder(me.node_id, self._wall_ms)
+        )
+        self._nodes.start()
         self.is_leader = True
-        deadline: float | None = None
-        deadline_round = -1
-        paused = False  # the state key is unreadable: wait for a valid value
-        store_floor: int | None = None  # read once per term, only if the key is absent
-        recorder = EventRecorder(me.node_id, self._wall_ms)
         try:
-            while not self._stop.is_set():
-                current = self._membership()
-                if current is None or current.create_revision != me.create_revision:
-                    return False  # our key is gone (lease lost): step down, re-elect
-                if self._resync.is_set():
-                    self._resync.clear()
-                    return False  # the node watch was compacted: lead again from a fresh read
-                try:
-                    state, mod_revision = self._view.snapshot()
-                except CorruptValueError as exc:
-                    if not paused:
-                        # The view logs the error with the key once; this says what the
-                        # duty does about it, without repeating it.
-                        log.error(
-                            "run %s: not coordinating while the state key is unreadable (%s)",
-                            self._keys.run_id,
-                            exc.reason,
-                        )
-                    paused = True
-                    self._signal.wait(None)
+            while not self._stop.is_set() and self._still_elected(me):
+                read = self._readable_state(term)
+                if read is None:
+                    self._signal.wait(None)  # until a valid value appears
                     continue
-                if paused:
-                    log.info("run %s: the state key is readable again", self._keys.run_id)
-                    paused = False
-                if mod_revision == 0:
-                    if store_floor is None:
-                        store_floor = highest_store_round(self._client, self._keys.store_root)
-                    known = to_restore(state, store_floor)
-                    if known is not None:
-                        result = executor.commit((known, 0), (), fence=fence)
-                        if result.succeeded:
-                            log.warning(
-                                "run %s: the state key was gone; wrote back round %d",
-                                self._keys.run_id, known.round,
-                            )  # fmt: skip
-                        if self._settle(me, result, ()):
-                            return True
-                        continue
-                if self._events is not None:
-                    with self._nodes_lock:
-                        appeared = self._nodes.take_appeared()
-                    recorder.appeared(state, appeared)
-                now = self._clock()
-                if deadline_round != state.round:
-                    # Another coordinator moved the run on: a last call belongs to the round
-                    # it was started for.
-                    deadline, deadline_round = None, state.round
-                with self._nodes_lock:
-                    # Decided under the table's lock from its running counts: O(1) per
-                    # join; the table is scanned only to build a commit (pure, no RPC).
-                    decision = decide_coordinator(
-                        state,
-                        self._nodes.nodes,
-                        self._limits,
-                        now,
-                        deadline,
-                        now_unix_ms=self._wall_ms(),
-                        tally=self._nodes.tally(state),
-                    )
-                deadline = decision.last_call_deadline
-                if decision.actions:
-                    result = executor.commit((state, mod_revision), decision.actions, fence=fence)
-                    if self._events is not None and result.succeeded:
-                        with self._nodes_lock:
-                            table = self._nodes.nodes
-                            live = [p for p in state.participants if p in table]
-                        recorder.committed(
-                            state, result.state, decision.actions, result.revision, live
-                        )
-                        self._events.submit(recorder.take())
-                    if self._settle(me, result, decision.actions):
+                state, mod_revision = read
+                restored = self._restore(term, state) if mod_revision == 0 else None
+                if restored is not None:
+                    if self._settle(me, restored, ()):
                         return True
                     continue
-                if self._events is not None and recorder.pending:
-                    self._events.submit(recorder.take())
-                timeout = None if decision.wake_at == math.inf else decision.wake_at - now
-                self._signal.wait(max(timeout, 0.0) if timeout is not None else None)
+                self._record_appeared(term, state)
+                now = self._clock()
+                actions, wake_at = self._decide(term, state, now)
+                if actions:
+                    if self._settle(me, self._commit(term, state, mod_revision, actions), actions):
+                        return True
+                    continue
+                self._flush_events(term)
+                timeout = None if wake_at == math.inf else max(wake_at - now, 0.0)
+                self._signal.wait(timeout)
             return False
         finally:
             self.is_leader = False
-            watch.cancel()
-            with self._nodes_lock:
-                self._nodes.reset()
+            self._nodes.stop()
+
+    def _still_elected(self, me: Membership) -> bool:
+        """Whether this node may go on leading with the key and table it has."""
+        current = self._membership()
+        if current is None or current.create_revision != me.create_revision:
+            return False  # our key is gone (lease lost): step down, re-elect
+        # A node watch that lost events: lead again from a fresh read.
+        return not self._nodes.take_stale()
+
+    def _readable_state(self, term: _Term) -> tuple[RdzvState, int] | None:
+        """The view's state and its mod revision; None while the state key is unreadable
+        (said once per episode)."""
+        try:
+            read = self._view.snapshot()
+        except CorruptValueError as exc:
+            if not term.paused:
+                # The view logs the error with the key once; this says what the duty does
+                # about it, without repeating it.
+                log.error(
+                    "run %s: not coordinating while the state key is unreadable (%s)",
+                    self._keys.run_id,
+                    exc.reason,
+                )
+            term.paused = True
+            return None
+        if term.paused:
+            log.info("run %s: the state key is readable again", self._keys.run_id)
+            term.paused = False
+        return read
+
+    def _restore(self, term: _Term, state: RdzvState) -> Commit | None:
+        """The state key is absent: write back the last state known (the view's, else the
+        highest round with Store keys); None if there is none to restore."""
+        if term.store_floor is None:
+            term.store_floor = highest_store_round(self._client, self._keys.store_root)
+        known = to_restore(state, term.store_floor)
+        if known is None:
+            return None
+        result = term.executor.commit((known, 0), (), fence=term.fence)
+        if result.succeeded:
+            log.warning(
+                "run %s: the state key was gone; wrote back round %d",
+                self._keys.run_id, known.round,
+            )  # fmt: skip
+        return result
+
+    def _decide(
+        self, term: _Term, state: RdzvState, now: float
+    ) -> tuple[tuple[Action, ...], float]:
+        """What to commit now (maybe nothing) and when to decide again; keeps the term's
+        last-call deadline."""
+        if term.deadline_round != state.round:
+            # Another coordinator moved the run on: a last call belongs to the round it was
+            # started for.
+            term.deadline, term.deadline_round = None, state.round
+        with self._nodes.locked() as table:
+            # Decided under the table's lock from its running counts: O(1) per join; the
+            # table is scanned only to build a commit (pure, no RPC).
+            decision = decide_coordinator(
+                state,
+                table.nodes,
+                self._limits,
+                now,
+                term.deadline,
+                now_unix_ms=self._wall_ms(),
+                tally=table.tally(state),
+            )
+        term.deadline = decision.last_call_deadline
+        return decision.actions, decision.wake_at
+
+    def _commit(
+        self, term: _Term, state: RdzvState, mod_revision: int, actions: tuple[Action, ...]
+    ) -> Commit:
+        """Commit ``actions`` over ``state`` (fenced) and record what a success did."""
+        result = term.executor.commit((state, mod_revision), actions, fence=term.fence)
+        if self._events is not None and result.succeeded:
+            live = self._nodes.live(state.participants)
+            term.recorder.committed(state, result.state, actions, result.revision, live)
+            self._events.submit(term.recorder.take())
+        return result
+
+    def _record_appeared(self, term: _Term, state: RdzvState) -> None:
+        """Note the node keys that appeared since the last pass (the timeline's joins)."""
+        if self._events is not None:
+            term.recorder.appeared(state, self._nodes.take_appeared())
+
+    def _flush_events(self, term: _Term) -> None:
+        """Hand over what the term recorded that no commit carried (best effort)."""
+        if self._events is not None and term.recorder.pending:
+            self._events.submit(term.recorder.take())
 
     def _settle(self, me: Membership, result: Commit, actions: tuple[Action, ...]) -> bool:
         """Record a commit's outcome in the view; whether this node must step down."""
@@ -347,40 +393,3 @@ class CoordinatorDuty:
             me.node_id, self._keys.run_id,
         )  # fmt: skip
         return True
-
-    # -- node keys ---------------------------------------------------------------------
-
-    def _watch_nodes(self) -> Watch:
-        """Watch the node keys from now, then read them all (see :class:`NodeTable`)."""
-        prefix = self._keys.nodes_prefix
-        with self._nodes_lock:
-            self._nodes.reset()
-        watch, (kvs, revision) = self._client.watch_then_read(
-            prefix,
-            lambda: self._client.get_prefix(prefix),
-            self._on_node_events,
-            self._on_nodes_compacted,
-            prefix=True,
-            on_error=self._on_nodes_watch_error,
-        )
-        with self._nodes_lock:
-            self._nodes.load(kvs, revision)
-        self._signal.set()
-        return watch
-
-    def _on_node_events(self, events: list[WatchEvent], _revision: int) -> None:
-        with self._nodes_lock:
-            applied = self._nodes.apply(events)
-        if applied:
-            self._signal.set()
-
-    def _on_nodes_compacted(self, _revision: int) -> None:
-        # Leading again re-reads every node key and watches from there.
-        self._resync.set()
-        self._signal.set()
-
-    def _on_nodes_watch_error(self, error: Exception) -> None:
-        # The node watch ended for good (etcd cancelled it, or the watch thread died): a
-        # leader that kept its table would decide from joins it no longer hears of.
-        log.warning("coordinator duty: watch of the node keys ended (%s); re-reading", error)
-        self._on_nodes_compacted(0)

@@ -2,7 +2,9 @@
 
 Built once from torch's ``RendezvousParameters`` and validated completely before anything
 connects; every error is a :class:`~coordinator.core.errors.ConfigError` whose message names
-the flag or ``rdzv_conf`` key, the offending value, and the rule.
+the flag or ``rdzv_conf`` key, the offending value, and the rule. The endpoints' syntax is
+:mod:`coordinator.core.endpoints`; how each ``rdzv_conf`` value is read,
+:mod:`coordinator.core.conf_values`.
 
 ``rdzv_conf`` keys (values arrive as strings from the command line, or as numbers when a
 program builds the parameters):
@@ -39,15 +41,24 @@ Accepted and ignored, because torchrun sets them or torch's other backends take 
 
 from __future__ import annotations
 
-import difflib
 import logging
 import math
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from coordinator.core.conf_values import (
+    check_file,
+    check_unknown,
+    read_or_default,
+    read_protocol,
+    read_seconds,
+    read_text,
+    read_whole_number,
+    read_whole_seconds,
+)
+from coordinator.core.endpoints import parse_endpoints, parse_endpoints_with_scheme
 from coordinator.core.errors import ConfigError
 from coordinator.core.etcd_client import EtcdConfig
 from coordinator.core.keys import DEFAULT_KEY_PREFIX, RunKeys, validate_key_prefix, validate_run_id
@@ -59,6 +70,8 @@ __all__ = [
     "PASSWORD_ENV",
     "ParametersLike",
     "RendezvousSettings",
+    # Re-exported only for coordinator/rdzvctl/cli.py (left alone while its split was
+    # under way): once it imports coordinator.core.endpoints, this line goes.
     "parse_endpoints",
 ]
 
@@ -106,156 +119,37 @@ IGNORED_CONF_KEYS: frozenset[str] = frozenset(
 )
 KNOWN_CONF_KEYS: frozenset[str] = frozenset(_OWN_CONF_KEYS) | IGNORED_CONF_KEYS
 
-_DEFAULT_PORT = 2379
 _MAX_LEASE_TTL = 600
 # etcd's own limit on a lease's TTL (MaxLeaseTTL, about 285 years).
 _MAX_RETENTION = 9_000_000_000
 _EVENTS_LIMITS = (10, 1_000_000)
 # One unary RPC attempt never waits longer than this; read_timeout bounds the retries.
 _MAX_REQUEST_TIMEOUT = 5.0
-_HOST_RE = re.compile(r"[A-Za-z0-9._-]+")
-_IPV6_RE = re.compile(r"[0-9A-Fa-f:.]+(%[A-Za-z0-9._-]+)?")
 
 
-def _endpoint_error(text: str, reason: str) -> ConfigError:
-    return ConfigError(f"rdzv_endpoint {text!r}: {reason}")
+def _log_ignored(conf: Mapping[str, Any], run_id: str) -> None:
+    for key in ("keep_alive_interval", "keep_alive_max_attempt"):
+        if key in conf:
+            log.info(
+                "rdzv_conf %s=%r is ignored for run %s: etcd leases replace heartbeats "
+                "(set lease_ttl instead)",
+                key,
+                conf[key],
+                run_id,
+            )
 
 
-def _parse_one_endpoint(text: str, item: str) -> tuple[str, str | None]:
-    """Return (``host:port``, scheme or None) for one comma-separated item."""
-    scheme: str | None = None
-    rest = item
-    for candidate in ("http", "https"):
-        if item.lower().startswith(candidate + "://"):
-            scheme = candidate
-            rest = item[len(candidate) + 3 :]
-    if "://" in rest:
-        raise _endpoint_error(text, f"{item!r} has an unsupported scheme (use http or https)")
-    rest = rest.rstrip("/")
-    if rest.startswith("["):
-        close = rest.find("]")
-        if close < 0:
-            raise _endpoint_error(text, f"{item!r} opens '[' without a closing ']'")
-        host = rest[: close + 1]
-        port_text: str | None = None
-        after = rest[close + 1 :]
-        if after:
-            if not after.startswith(":"):
-                raise _endpoint_error(text, f"{item!r} has text after ']' that is not ':port'")
-            port_text = after[1:]
-        if not _IPV6_RE.fullmatch(host[1:-1]):
-            raise _endpoint_error(text, f"{host!r} is not an IPv6 address")
-    else:
-        host, sep, port_part = rest.partition(":")
-        port_text = port_part if sep else None
-        if not host:
-            raise _endpoint_error(text, f"{item!r} has an empty host")
-        if not _HOST_RE.fullmatch(host):
-            raise _endpoint_error(text, f"{host!r} is not a host name or IPv4 address")
-    port = _DEFAULT_PORT
-    if port_text is not None:
-        if not re.fullmatch(r"[0-9]{1,5}", port_text) or not 1 <= int(port_text) <= 65535:
-            raise _endpoint_error(text, f"{port_text!r} is not a port number (1-65535)")
-        port = int(port_text)
-    return f"{host}:{port}", scheme
-
-
-def _parse_endpoints_with_scheme(text: str) -> tuple[tuple[str, ...], str | None]:
-    if not isinstance(text, str) or not text.strip():
-        raise ConfigError(
-            f"rdzv_endpoint {text!r} is empty: give the etcd members as host:port[,host:port...]"
-        )
-    endpoints: list[str] = []
-    schemes: set[str] = set()
-    for raw in text.split(","):
-        item = raw.strip()
-        if not item:
-            raise _endpoint_error(text, "has an empty item (remove the extra ',')")
-        endpoint, scheme = _parse_one_endpoint(text, item)
-        if scheme is not None:
-            schemes.add(scheme)
-        if endpoint not in endpoints:
-            endpoints.append(endpoint)
-    if len(schemes) > 1:
-        raise _endpoint_error(text, "mixes http:// and https:// (use one protocol)")
-    return tuple(endpoints), (schemes.pop() if schemes else None)
-
-
-def parse_endpoints(text: str) -> tuple[str, ...]:
-    """Parse ``--rdzv-endpoint``: comma-separated etcd members, each ``host[:port]``.
-
-    The port defaults to 2379; ``http://`` / ``https://`` schemes are stripped (use
-    :meth:`RendezvousSettings.from_parameters` to have ``https://`` select TLS); IPv6
-    addresses are written ``[::1]:2379``. Duplicates are dropped, order is kept.
-
-    Raises:
-        ConfigError: empty text, empty item, empty host, or a port that is not 1-65535;
-            the message names the whole value and the bad item.
-    """
-    return _parse_endpoints_with_scheme(text)[0]
-
-
-def _seconds(key: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ConfigError(f"rdzv_conf {key}={value!r} is not a number of seconds")
-    try:
-        number = float(value)
-    except ValueError:
-        raise ConfigError(f"rdzv_conf {key}={value!r} is not a number of seconds") from None
-    if not math.isfinite(number):
-        raise ConfigError(f"rdzv_conf {key}={value!r} is not a finite number of seconds")
-    return number
-
-
-def _whole_seconds(key: str, value: object) -> int:
-    if isinstance(value, bool):
-        raise ConfigError(f"rdzv_conf {key}={value!r} is not a whole number of seconds")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
-        return int(value)
-    raise ConfigError(f"rdzv_conf {key}={value!r} is not a whole number of seconds")
-
-
-def _whole_number(key: str, value: object) -> int:
-    try:
-        return _whole_seconds(key, value)
-    except ConfigError:
-        raise ConfigError(f"rdzv_conf {key}={value!r} is not a whole number") from None
-
-
-def _text(key: str, value: object) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise ConfigError(f"rdzv_conf {key}={value!r} must be text")
-    return value or None
-
-
-def _check_unknown(conf: Mapping[str, Any]) -> None:
-    unknown = sorted(k for k in conf if k not in KNOWN_CONF_KEYS)
-    if not unknown:
-        return
-    hint = ""
-    if len(unknown) == 1:
-        close = difflib.get_close_matches(unknown[0], sorted(KNOWN_CONF_KEYS), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ConfigError(
-        f"rdzv_conf has unknown key{'s' if len(unknown) > 1 else ''} "
-        f"{', '.join(repr(k) for k in unknown)}{hint}; known keys: "
-        f"{', '.join(sorted(KNOWN_CONF_KEYS))}"
-    )
-
-
-def _check_file(key: str, path: str | None) -> None:
-    if path is None:
-        return
-    if not os.path.isfile(path):
-        raise ConfigError(f"rdzv_conf {key}={path!r}: no such file")
-    if not os.access(path, os.R_OK):
-        raise ConfigError(f"rdzv_conf {key}={path!r}: file is not readable by this user")
+def _credentials(conf: Mapping[str, Any]) -> tuple[str | None, str | None, str | None]:
+    """user, password and password_file; a user with neither password nor file takes the
+    password from ``$ETCD_ELASTIC_PASSWORD``."""
+    user = read_text("user", conf.get("user"))
+    password = read_text("password", conf.get("password"))
+    password_file = read_text("password_file", conf.get("password_file"))
+    if password is not None:
+        _warn_visible_password()
+    elif user is not None and password_file is None:
+        password = os.environ.get(PASSWORD_ENV) or None
+    return user, password, password_file
 
 
 @dataclass(frozen=True)
@@ -291,7 +185,17 @@ class RendezvousSettings:
     password_file: str | None = None
 
     def __post_init__(self) -> None:
+        # In this order: with several bad values, the first one here is the one named.
         validate_run_id(self.run_id)
+        self._check_nodes()
+        self._check_timeouts()
+        self._check_retention_and_events()
+        validate_key_prefix(self.key_prefix)
+        self._check_tls()
+        self._check_credentials()
+
+    def _check_nodes(self) -> None:
+        """Node counts that can form a round, and somewhere to find etcd."""
         if isinstance(self.min_nodes, bool) or not isinstance(self.min_nodes, int):
             raise ConfigError(f"min_nodes {self.min_nodes!r} is not a whole number")
         if isinstance(self.max_nodes, bool) or not isinstance(self.max_nodes, int):
@@ -304,6 +208,9 @@ class RendezvousSettings:
             )
         if not self.endpoints:
             raise ConfigError("rdzv_endpoint is empty: give the etcd members as host:port")
+
+    def _check_timeouts(self) -> None:
+        """Every timeout positive, the lease TTL in range, and timeouts that nest."""
         for key, name in (
             ("join_timeout", "join_timeout"),
             ("last_call_timeout", "last_call_timeout"),
@@ -322,6 +229,9 @@ class RendezvousSettings:
         for finding in nesting(self.spans()):
             if finding.refuse:  # the risky ones are etcdrun's to warn about, once
                 raise ConfigError(f"rdzv_conf {finding.line}")
+
+    def _check_retention_and_events(self) -> None:
+        """How long a run's keys stay and how many events its timeline keeps."""
         if not (
             isinstance(self.retention, (int, float))
             and math.isfinite(self.retention)
@@ -341,7 +251,9 @@ class RendezvousSettings:
                 f"rdzv_conf events_limit={self.events_limit!r} must be a whole number of "
                 f"events from {low} to {high}"
             )
-        validate_key_prefix(self.key_prefix)
+
+    def _check_tls(self) -> None:
+        """The protocol, a certificate with its key, TLS files only for https, readable."""
         if self.protocol not in ("http", "https"):
             raise ConfigError(f"rdzv_conf protocol={self.protocol!r} must be 'http' or 'https'")
         if (self.ssl_cert is None) != (self.ssl_cert_key is None):
@@ -357,8 +269,11 @@ class RendezvousSettings:
                         f"set protocol=https or remove {key}"
                     )
         for key in ("ssl_cert", "ssl_cert_key", "ca_cert"):
-            _check_file(key, getattr(self, key))
-        _check_file("password_file", self.password_file)
+            check_file(key, getattr(self, key))
+
+    def _check_credentials(self) -> None:
+        """A user with exactly one source of its password, or neither."""
+        check_file("password_file", self.password_file)
         if self.password is not None and self.password_file is not None:
             raise ConfigError(
                 "rdzv_conf password and password_file are both set: keep password_file"
@@ -383,39 +298,14 @@ class RendezvousSettings:
                 unknown ``rdzv_conf`` key (the message lists the known keys).
         """
         conf: Mapping[str, Any] = params.config
-        _check_unknown(conf)
-        for key in ("keep_alive_interval", "keep_alive_max_attempt"):
-            if key in conf:
-                log.info(
-                    "rdzv_conf %s=%r is ignored for run %s: etcd leases replace heartbeats "
-                    "(set lease_ttl instead)",
-                    key,
-                    conf[key],
-                    params.run_id,
-                )
-        endpoints, scheme = _parse_endpoints_with_scheme(params.endpoint)
-        protocol_raw = _text("protocol", conf.get("protocol"))
-        protocol = protocol_raw.strip().lower() if protocol_raw else (scheme or "http")
-        if protocol not in ("http", "https"):
-            raise ConfigError(f"rdzv_conf protocol={protocol_raw!r} must be 'http' or 'https'")
-        if scheme is not None and protocol != scheme:
-            raise ConfigError(
-                f"rdzv_endpoint {params.endpoint!r} uses {scheme}:// but rdzv_conf "
-                f"protocol={protocol_raw!r}: make them agree"
-            )
+        check_unknown(conf, KNOWN_CONF_KEYS)
+        _log_ignored(conf, params.run_id)
+        endpoints, scheme = parse_endpoints_with_scheme(params.endpoint)
+        protocol = read_protocol(conf, params.endpoint, scheme)
         timeouts = {
-            key: _seconds(key, conf[key]) for key in _TIMEOUT_KEYS if conf.get(key) is not None
+            key: read_seconds(key, conf[key]) for key in _TIMEOUT_KEYS if conf.get(key) is not None
         }
-        lease_raw = conf.get("lease_ttl")
-        user = _text("user", conf.get("user"))
-        password = _text("password", conf.get("password"))
-        password_file = _text("password_file", conf.get("password_file"))
-        if password is not None:
-            _warn_visible_password()
-        elif user is not None and password_file is None:
-            password = os.environ.get(PASSWORD_ENV) or None
-        retention_raw = conf.get("retention")
-        events_raw = conf.get("events_limit")
+        user, password, password_file = _credentials(conf)
         return cls(
             run_id=params.run_id,
             min_nodes=params.min_nodes,
@@ -427,14 +317,14 @@ class RendezvousSettings:
             close_timeout=timeouts.get("close_timeout", 30.0),
             read_timeout=timeouts.get("read_timeout", 60.0),
             store_timeout=timeouts.get("timeout", 900.0),
-            lease_ttl=5 if lease_raw is None else _whole_seconds("lease_ttl", lease_raw),
-            retention=7200.0 if retention_raw is None else _seconds("retention", retention_raw),
-            events_limit=5000 if events_raw is None else _whole_number("events_limit", events_raw),
-            key_prefix=_text("key_prefix", conf.get("key_prefix")) or DEFAULT_KEY_PREFIX,
+            lease_ttl=read_or_default(conf, "lease_ttl", read_whole_seconds, 5),
+            retention=read_or_default(conf, "retention", read_seconds, 7200.0),
+            events_limit=read_or_default(conf, "events_limit", read_whole_number, 5000),
+            key_prefix=read_text("key_prefix", conf.get("key_prefix")) or DEFAULT_KEY_PREFIX,
             protocol="https" if protocol == "https" else "http",
-            ssl_cert=_text("ssl_cert", conf.get("ssl_cert")),
-            ssl_cert_key=_text("ssl_cert_key", conf.get("ssl_cert_key")),
-            ca_cert=_text("ca_cert", conf.get("ca_cert")),
+            ssl_cert=read_text("ssl_cert", conf.get("ssl_cert")),
+            ssl_cert_key=read_text("ssl_cert_key", conf.get("ssl_cert_key")),
+            ca_cert=read_text("ca_cert", conf.get("ca_cert")),
             user=user,
             password=password,
             password_file=password_file,

@@ -1,4 +1,5 @@
-"""Where each round's torch Store keeps its keys in etcd, and which rounds have any.
+"""Where each round's torch Store keeps its keys in etcd, which rounds have any, and
+deleting a round's keys with its markers.
 
 Layout under a run's store root (``<prefix>/<run>/store/``)::
 
@@ -9,7 +10,8 @@ The markers sit beside the round's folder, not in it, so that ``num_keys`` and
 ``list_keys`` (one range each) see only the Store's own keys; ``~`` never occurs in a
 round number, so ``<round>~ops/`` can never be confused with another round's folder. A
 round's markers go whenever its keys go (the executor's clean-up two rounds later,
-:func:`round_prefixes`, and ``rdzvctl gc``, which removes the whole store root).
+:func:`round_prefixes`, :func:`delete_round` and :func:`delete_rounds_before`, and
+``rdzvctl gc``, which removes the whole store root).
 
 The store root is also where a coordinator that never saw the state finds the last round
 of a run whose state key was deleted (:func:`highest_store_round`): a round's Store is
@@ -18,16 +20,22 @@ written as soon as the round completes (the rank exchange), and kept for two rou
 
 from __future__ import annotations
 
+import logging
+
 from coordinator.core.etcd_client import EtcdClient
 from coordinator.core.keys import round_store_prefix
 
 __all__ = [
     "OPS_SUFFIX",
+    "delete_round",
+    "delete_rounds_before",
     "highest_store_round",
     "ops_prefix",
     "round_of_folder",
     "round_prefixes",
 ]
+
+log = logging.getLogger(__name__)
 
 OPS_SUFFIX = b"~ops"
 
@@ -73,3 +81,34 @@ def highest_store_round(client: EtcdClient, store_root: bytes) -> int:
     kvs, _ = client.get_prefix(store_root, keys_only=True)
     rounds = {round_of_folder(kv.key[len(store_root) :].split(b"/", 1)[0]) for kv in kvs}
     return max((r for r in rounds if r is not None), default=0)
+
+
+def delete_round(client: EtcdClient, store_root: bytes, round: int) -> int:
+    """Delete every Store key of ``round`` under ``store_root`` (and its exactly-once
+    markers); return how many Store keys."""
+    keys_prefix, markers = round_prefixes(store_root, round)
+    deleted, _ = client.delete_prefix(keys_prefix)
+    client.delete_prefix(markers)
+    return deleted
+
+
+def delete_rounds_before(client: EtcdClient, store_root: bytes, round: int) -> int:
+    """Delete the Store keys of every round below ``round``; return how many keys.
+
+    Keys under ``store_root`` whose folder is not a round number are left alone (and
+    logged): they are not ours to remove.
+
+    Raises:
+        ValueError: ``store_root`` does not end with ``/`` or ``round`` is negative.
+    """
+    round_store_prefix(store_root, round)  # validates both
+    kvs, _ = client.get_prefix(store_root, keys_only=True)
+    old_rounds: set[int] = set()
+    for kv in kvs:
+        found = round_of_folder(kv.key[len(store_root) :].split(b"/", 1)[0])
+        if found is None:
+            log.warning("not deleting foreign key %r under store root %r", kv.key, store_root)
+            continue
+        if found < round:
+            old_rounds.add(found)
+    return sum(delete_round(client, store_root, r) for r in sorted(old_rounds))

@@ -50,8 +50,8 @@ from torch.distributed import (  # type: ignore[attr-defined]
 )
 
 from coordinator.core.etcd_client import EtcdClient, KeyValue
-from coordinator.core.keys import decode_store_key, join_store_key, round_store_prefix
-from coordinator.core.store_rounds import ops_prefix, round_of_folder, round_prefixes
+from coordinator.core.keys import decode_store_key, join_store_key
+from coordinator.core.store_rounds import ops_prefix
 from coordinator.torch_adapter.errors import store_errors
 from coordinator.torch_adapter.store_many import read_many, set_many
 from coordinator.torch_adapter.store_once import new_op_id, write_once
@@ -62,7 +62,7 @@ from coordinator.torch_adapter.store_wait import (
     wait_for_prefix,
 )
 
-__all__ = ["EtcdStore", "delete_round", "delete_rounds_before"]
+__all__ = ["EtcdStore"]
 
 log = logging.getLogger(__name__)
 
@@ -378,34 +378,3 @@ class EtcdStore(Store):
                 f"add on store key {key!r}: its value {value[:40]!r} is not a decimal "
                 "integer; use a key that only add() writes"
             ) from None
-
-
-def delete_round(client: EtcdClient, store_root: bytes, round: int) -> int:
-    """Delete every Store key of ``round`` under ``store_root`` (and its exactly-once
-    markers); return how many Store keys."""
-    keys_prefix, markers = round_prefixes(store_root, round)
-    deleted, _ = client.delete_prefix(keys_prefix)
-    client.delete_prefix(markers)
-    return deleted
-
-
-def delete_rounds_before(client: EtcdClient, store_root: bytes, round: int) -> int:
-    """Delete the Store keys of every round below ``round``; return how many keys.
-
-    Keys under ``store_root`` whose folder is not a round number are left alone (and
-    logged): they are not ours to remove.
-
-    Raises:
-        ValueError: ``store_root`` does not end with ``/`` or ``round`` is negative.
-    """
-    round_store_prefix(store_root, round)  # validates both
-    kvs, _ = client.get_prefix(store_root, keys_only=True)
-    old_rounds: set[int] = set()
-    for kv in kvs:
-        found = round_of_folder(kv.key[len(store_root) :].split(b"/", 1)[0])
-        if found is None:
-            log.warning("not deleting foreign key %r under store root %r", kv.key, store_root)
-            continue
-        if found < round:
-            old_rounds.add(found)
-    return sum(delete_round(client, store_root, r) for r in sorted(old_rounds))

@@ -17,8 +17,9 @@ from torch.distributed import DistStoreError
 
 from coordinator.core.etcd_client import EtcdClient, EtcdConfig
 from coordinator.core.keys import RunKeys, encode_store_key
+from coordinator.core.store_rounds import delete_round, delete_rounds_before
 from coordinator.etcd_server import EtcdCluster
-from coordinator.torch_adapter.store import EtcdStore, delete_round, delete_rounds_before
+from coordinator.torch_adapter.store import EtcdStore
 from tests.integration.store_support import (  # noqa: F401 (fixtures)
     LONG,
     ODD_KEYS,

@@ -22,10 +22,10 @@ from coordinator.core.etcd_client import EtcdClient, EtcdConfig, TxnResult, Watc
 from coordinator.core.executor import StateExecutor
 from coordinator.core.keys import RunKeys
 from coordinator.core.state import RdzvState
-from coordinator.core.store_rounds import ops_prefix
+from coordinator.core.store_rounds import delete_round, ops_prefix
 from coordinator.core.transitions import Action, ActionKind
 from coordinator.etcd_server import EtcdCluster
-from coordinator.torch_adapter.store import EtcdStore, delete_round
+from coordinator.torch_adapter.store import EtcdStore
 from tests.chaos.proxy import Mode, TcpFaultProxy
 from tests.integration.store_support import compact_to_head
 from tests.rdzv_helpers import wait_until

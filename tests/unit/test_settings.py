@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
+from coordinator.core.endpoints import parse_endpoints
 from coordinator.core.errors import ConfigError
 from coordinator.core.etcd_client import EtcdConfig
 from coordinator.core.keys import RunKeys
-from coordinator.core.settings import KNOWN_CONF_KEYS, RendezvousSettings, parse_endpoints
+from coordinator.core.settings import KNOWN_CONF_KEYS, RendezvousSettings
 
 _KNOWN = ", ".join(sorted(KNOWN_CONF_KEYS))
 

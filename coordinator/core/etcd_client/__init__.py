@@ -47,6 +47,8 @@ Layout, one concept per module (import from this package, not from them):
 * ``_schedule``: when each lease on that stream sends its next keep-alive (pure);
 * ``_watch``: ``Watch``, one watch and how it ends;
 * ``_watcher``: the watch thread, every watch of a client on one resumable stream;
+* ``_watch_outage``: what that stream remembers of an outage (endpoints tried, the last
+  failure, members refusing its TLS handshake) and its one log line per outage;
 * ``_watch_probe``: what that stream sends when its member is silent (a progress
   request, or a read where the member is an etcd gRPC proxy);
 * ``_observer``: ``EtcdObserver``, what the client reports (calls, failed attempts,

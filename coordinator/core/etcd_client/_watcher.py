@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import logging
 import queue
 import threading
 from collections import deque
@@ -18,16 +17,14 @@ from coordinator.core.etcd_client._failover import (
     PERMISSION,
     REAUTH,
     RETRY,
-    TlsSide,
     _code_name,
     _status,
     backoff_delay,
     classify_status,
-    endpoint_mismatch,
-    unreachable,
 )
 from coordinator.core.etcd_client._observer import NO_ANSWER, STREAM_ENDED
 from coordinator.core.etcd_client._watch import _event, _watch_error, _WatchState
+from coordinator.core.etcd_client._watch_outage import StreamOutage
 from coordinator.core.etcd_client._watch_probe import Prober
 from coordinator.core.threads import ThreadDied, start_guarded
 
@@ -35,8 +32,6 @@ if TYPE_CHECKING:
     from coordinator.core.etcd_client._client import EtcdClient
 
 __all__ = ["_Watcher"]
-
-log = logging.getLogger("coordinator.core.etcd_client")  # one logger for the whole package
 
 
 class _Watcher:
@@ -58,17 +53,10 @@ class _Watcher:
         self._closed = False
         self._thread: threading.Thread | None = None
         self.endpoint: str | None = None
-        # Endpoints that failed since the stream last got an answer, and the last failure
-        # (endpoint, status code, details): what a watch not confirmed in time reports.
-        self._tried: list[str] = []
-        self._last_failure: tuple[str, Any, str] | None = None
-        self._quiet = False  # a break was logged since the last answer: the rest at debug
+        self._outage = StreamOutage(client.config)  # what a watch not confirmed reports
         # Seconds the stream's member had said nothing when the stream left it as hung
         # (set by the request side, read by the thread when the cancelled call ends).
         self._hung_after: float | None = None
-        # Endpoints whose last failure was a TLS mismatch certain to repeat, since the
-        # stream last got an answer: once it is every endpoint, unconfirmed watches end.
-        self._tls_refused: set[str] = set()
         self._prober = Prober(client)  # probes a silent member (_watch_probe)
 
     # -- what Watch and EtcdClient call ---------------------------------------------------
@@ -91,14 +79,7 @@ class _Watcher:
 
     def unconfirmed(self, state: _WatchState, waited: float) -> EtcdConnectionError:
         """The error for a watch etcd did not confirm within ``waited`` seconds."""
-        with self._cond:
-            tried, failure = list(self._tried), self._last_failure
-        what = f"watch on key {state.key_text}"
-        if failure is None:
-            return EtcdConnectionError(f"etcd did not confirm the {what} within {waited:g} s")
-        config = self._client.config
-        side = TlsSide(config.protocol, config.ca_cert, config.cert)
-        return unreachable(what, waited, tried, *failure, side)
+        return self._outage.unconfirmed(state.key_text, waited)
 
     def cancel(self, state: _WatchState) -> None:
         with state.lock:
@@ -206,18 +187,7 @@ class _Watcher:
                 observed.attempt_failed("watch", STREAM_ENDED)
             return StreamEnd(RETRY, metadata, answered)
         except grpc.RpcError as exc:
-            with self._cond:
-                hung_after, self._hung_after = self._hung_after, None
-            if hung_after is not None and not self._closed:
-                client._observed.attempt_failed("watch", NO_ANSWER)
-                why = f"no answer for {hung_after:.1f} s, not to a progress request either"
-                self._broke(name, why)
-                return StreamEnd(RETRY, metadata, answered)
-            code, details = _status(exc)
-            if not self._closed:
-                client._observed.attempt_failed("watch", _code_name(code))
-            self._failed(name, code, details)
-            return StreamEnd(classify_status(code, details), metadata, answered)
+            return StreamEnd(self._call_ended(name, exc), metadata, answered)
         except EtcdAuthError as exc:
             # The credentials are refused: no retry can help these watches.
             self._fail_all(exc)
@@ -235,12 +205,32 @@ class _Watcher:
             requests.put(None)
             if call is not None:
                 call.cancel()  # a no-op once it ended; frees it if this thread is dying
-            with self._cond:
-                self._call = self._requests = self.endpoint = None
-                self._pending.clear()
-                self._by_id.clear()
-                for state in self._watches:
-                    state.server_id = None
+            self._closed_stream()
+
+    def _call_ended(self, name: str, exc: grpc.RpcError) -> str:
+        """The failure kind of a stream whose call ended with ``exc``: left as hung (no
+        answer) or failed with a gRPC status."""
+        observed = self._client._observed
+        with self._cond:
+            hung_after, self._hung_after = self._hung_after, None
+        if hung_after is not None and not self._closed:
+            observed.attempt_failed("watch", NO_ANSWER)
+            self._broke(name, f"no answer for {hung_after:.1f} s, not to a progress request either")
+            return RETRY
+        code, details = _status(exc)
+        if not self._closed:
+            observed.attempt_failed("watch", _code_name(code))
+        self._failed(name, code, details)
+        return classify_status(code, details)
+
+    def _closed_stream(self) -> None:
+        """Forget the stream that ended: no call, no pending create, no server ids."""
+        with self._cond:
+            self._call = self._requests = self.endpoint = None
+            self._pending.clear()
+            self._by_id.clear()
+            for state in self._watches:
+                state.server_id = None
 
     def _leave_hung(self, requests: queue.SimpleQueue[Any], silent_for: float) -> bool:
         """Cancel the call of the stream fed by ``requests``: its member is hung. False if
@@ -264,35 +254,17 @@ class _Watcher:
     def _answered(self, name: str) -> None:
         with self._cond:
             self.endpoint = name
-            self._tried, self._last_failure = [], None
-            self._tls_refused.clear()
-            quiet, self._quiet = self._quiet, False
-        if quiet:
-            log.info("etcd watch stream open again on %s; every watch resumes", name)
+        self._outage.answered(name)
 
     def _failed(self, name: str, code: Any, details: str) -> None:
-        config = self._client.config
-        side = TlsSide(config.protocol, config.ca_cert, config.cert)
-        mismatch = endpoint_mismatch(details, name, side, config.request_timeout)
-        with self._cond:
-            if name not in self._tried:
-                self._tried.append(name)
-            self._last_failure = (name, code, details)
-            if mismatch is not None and mismatch[1]:
-                self._tls_refused.add(name)
-            else:
-                self._tls_refused.discard(name)
-            refused = len(self._tls_refused) == len(config.endpoints)
-            tried = list(self._tried)
+        refused = self._outage.failed(name, code, details)
         self._broke(name, f"{_code_name(code)}: {details}")
-        if refused:
+        if refused is not None:
             # Every member refuses the handshake for a reason a retry cannot fix: a watch
             # still waiting for etcd's confirmation hears it now, not after its budget.
             # Watches already running keep retrying (a member may get its certificate
             # fixed under a running job).
-            self._end_unconfirmed(
-                unreachable("watch", 0.0, tried, name, code, details, side, tried)
-            )
+            self._end_unconfirmed(refused)
 
     def _end_unconfirmed(self, error: Exception) -> None:
         """End every watch still waiting for etcd's confirmation with ``error``."""
@@ -304,14 +276,8 @@ class _Watcher:
             state.end(error)
 
     def _broke(self, name: str, why: str) -> None:
-        if self._closed:
-            return
-        with self._cond:
-            quiet, self._quiet = self._quiet, True
-        # One info line per outage; the retries of a long one at debug.
-        (log.debug if quiet else log.info)(
-            "etcd watch stream to %s broke: %s; resuming on the next member", name, why
-        )
+        if not self._closed:  # closed on purpose: nothing broke
+            self._outage.broke(name, why)
 
     # -- one response ---------------------------------------------------------------------
 

