@@ -44,7 +44,8 @@ examples:
             --rdzv-endpoint=etcd1:2379,etcd2:2379,etcd3:2379 train.py --lr 0.1
 
 exit codes: 0 every worker succeeded; 1 the job failed (restarts exhausted, rendezvous
-error); 2 bad command line; 128+N ended by signal N (README: every ending)."""
+error); 2 bad command line; 128+N ended by signal N (docs/user-guide.md: every
+ending)."""
 
 
 _ON = ("1", "true", "yes", "on")

@@ -1,6 +1,6 @@
 """etcdrun's exit code for each ending, next to stock torchrun's for the same ending
-(README, "Exit codes"). Every pair runs at once, with a worker that does not import torch,
-so the whole table costs about one agent start."""
+(docs/user-guide.md, "Exit codes"). Every pair runs at once, with a worker that does not
+import torch, so the whole table costs about one agent start."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ drain``; then ``rdzvctl events`` lists all of it in order with the causes, and `
 timeline`` draws it.
 
 ``ETCD_ELASTIC_TIMELINE_OUT=docs/timeline.png`` also keeps the picture
-(``scripts/timeline_demo`` does that for the README).
+(``scripts/timeline_demo`` draws the picture in docs/timeline.md).
 """
 
 from __future__ import annotations

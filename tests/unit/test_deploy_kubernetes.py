@@ -352,7 +352,7 @@ def test_the_pytorchjob_has_what_the_operator_and_etcdrun_expect() -> None:
     job = _one("PyTorchJob")
     policy = job["spec"]["elasticPolicy"]
     assert policy["rdzvBackend"] == "etcd-v2"
-    # Without an id a job of more than one node is refused (README, "Run lifecycle").
+    # Without an id a job of more than one node is refused (docs/user-guide.md, "Run lifecycle").
     assert policy["rdzvId"] == job["metadata"]["name"]
     assert "standalone" not in policy
     worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
