@@ -181,6 +181,9 @@ def test_a_declaration_that_fails_is_retried_until_etcd_is_back(
     assert (hang.round, hang.nodes, hang.step, hang.behind) == (round_, (me,), 7, True)
     assert hang.declared_by == me and hang.stalled_ms >= TIMEOUT * 1000
     assert (record.round, record.step, record.stalled) == (round_, 7, True)
+    # The hook runs on the hang watch's thread once the write returned: it may come a
+    # moment after etcd shows the hang.
+    wait_until(lambda: node.hangs != [], 30, "the declaring node's hook told of the hang")
     assert node.hangs == [hang]
     assert "declared a hang of round" in caplog.text
     wait_until(lambda: handlers[1].declared_hang == hang, 30, "the peer seeing the hang")

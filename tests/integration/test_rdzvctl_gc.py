@@ -163,9 +163,9 @@ def test_gc_dry_run_lists_and_gc_removes_only_what_it_should(
         capsys, etcd1, "gc", "--older-than", "1h", "--dry-run", "--key-prefix", prefix
     )
     assert code == 0 and out.splitlines()[0] == "ACTION        RUN           KEYS  WHY"
-    # Its state, its Store's key and its timeline (a join, the round, the close, the
-    # node leaving).
-    assert "would remove  old-closed    6     closed (shutdown by an agent)" in out
+    # Its state, its Store's key and its timeline (the round, which carries its member's
+    # join, the close, the node leaving).
+    assert "would remove  old-closed    5     closed (shutdown by an agent)" in out
 
     code, out, _ = ctl(capsys, etcd1, "gc", "--older-than", "1h", "--key-prefix", prefix)
     assert code == 0, out
