@@ -62,6 +62,7 @@ from agent.store import Store
 from agent.workers.errorfile import Failure, root_cause
 from agent.workers.group import (
     WorkerGroup,
+    WorkerLauncher,
     WorkerStartError,
     omp_num_threads,
 )
@@ -100,6 +101,7 @@ class Agent:
         console_out: TextIO | None = None,
         console_err: TextIO | None = None,
         metrics: RunMetrics | None = None,
+        launcher: WorkerLauncher = WorkerGroup,
     ) -> None:
         """
         Args:
@@ -109,6 +111,8 @@ class Agent:
             console_out, console_err: where tee'd worker lines and the failure report go
                 (default: sys.stdout / sys.stderr at the time of writing).
             metrics: hears of rounds, restarts and workers (default: nothing measured).
+            launcher: makes each attempt's worker group (default: :class:`WorkerGroup`,
+                processes; the fleet harness passes threads that stand in for them).
         """
         self._config = config
         self._handler = handler
@@ -130,6 +134,7 @@ class Agent:
         self._store: Store | None = None
         self._bootstrap: object | None = None
         self._group: WorkerGroup | None = None
+        self._launcher = launcher
         self._warm = WarmPool(
             config.warm_modules, enabled=config.warm_start, depth=config.warm_pool_size
         )
@@ -517,7 +522,7 @@ class Agent:
         )
         self._wake.clear()
         self._hang.begin(self._rdzv.last_round if self._rdzv.last_round >= 0 else self._attempt)
-        self._group = WorkerGroup(
+        self._group = self._launcher(
             launches, self.wake, console_out=self._console_out, console_err=self._console_err,
             warm=self._warm, interrupted=self._wake,
         )  # fmt: skip

@@ -1,0 +1,246 @@
+"""The cost model: per phase, etcd's requests and bytes as formulas in N, fitted to the
+fleet's measured points, projected to 10,000 agents, and the lease TTL to use by size.
+
+Pure: takes the runs' JSON data, returns numbers and text.
+
+**A phase's own cost.** A phase's window also holds the training that goes on meanwhile
+(the survivors of a node loss train until they hear of it). That part is taken out: the
+steady window of the same size gives each figure's rate per node-second of training, and
+each phase's figure minus that rate times the phase's ``training_node_s`` (the seconds
+each agent's workers ran in the window, summed) is the phase's own cost. Lease renewals
+are only background (every live lease, whatever happens): they are modelled from the
+steady window alone.
+
+**The fit.** Each figure is fitted as ``a + b·N`` by least squares weighted by the
+points' size (each point counts for its relative error, so N = 10 weighs as much as
+N = 1000). When that line misses a point by more than 25 %, the figure is fitted as
+``a + b·N + c·N²`` instead and marked superlinear: with three sizes that curve goes
+through every point, so it says only that the cost grows faster than N, and how fast
+between the sizes measured.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "FIGURES",
+    "PHASES",
+    "Fit",
+    "fit",
+    "phase_points",
+    "project",
+    "renewals_per_node_s",
+    "ttl_advice",
+]
+
+PHASES = (
+    "formation",
+    "steady",
+    "worker-failure",
+    "hang",
+    "node-loss",
+    "half-lost",
+    "job-lost",
+    "job-end",
+    "formation-preflight",
+)
+# figure -> what it is, in the tables.
+FIGURES = {
+    "writes": "writes (raft proposals)",
+    "rpc_Range": "range reads",
+    "rpc_Txn": "transactions",
+    "watch_events": "watch events",
+    "bytes_put": "bytes put",
+    "keepalives": "lease renewals",
+}
+_BACKGROUND = ("writes", "rpc_Range", "rpc_Txn", "watch_events", "bytes_put")
+_SUPERLINEAR_MISS = 0.25
+
+
+@dataclass(frozen=True)
+class Fit:
+    """``a + b·N + c·N²`` (``c`` is 0 for a line), and the largest relative miss."""
+
+    a: float
+    b: float
+    c: float
+    miss: float
+
+    def at(self, n: float) -> float:
+        return self.a + self.b * n + self.c * n * n
+
+    @property
+    def superlinear(self) -> bool:
+        return self.c != 0.0
+
+    def formula(self) -> str:
+        terms = []
+        if self.c:
+            terms.append(f"{_num(self.c)}·N²")
+        if self.b:
+            terms.append(f"{_num(self.b)}·N")
+        if self.a or not terms:
+            terms.append(_num(self.a))
+        return " + ".join(terms).replace("+ -", "- ")
+
+
+def _num(value: float) -> str:
+    if value == 0:
+        return "0"
+    magnitude = abs(value)
+    if magnitude >= 100:
+        return f"{value:.0f}"
+    if magnitude >= 1:
+        return f"{value:.3g}"
+    return f"{value:.2g}"
+
+
+def _weighted_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    weights = [1.0 / max(abs(v), 1.0) ** 2 for _, v in points]
+    sw = sum(weights)
+    sx = sum(w * n for w, (n, _) in zip(weights, points, strict=True))
+    sy = sum(w * v for w, (_, v) in zip(weights, points, strict=True))
+    sxx = sum(w * n * n for w, (n, _) in zip(weights, points, strict=True))
+    sxy = sum(w * n * v for w, (n, v) in zip(weights, points, strict=True))
+    det = sw * sxx - sx * sx
+    if det == 0:
+        return sy / sw, 0.0
+    b = (sw * sxy - sx * sy) / det
+    return (sy - b * sx) / sw, b
+
+
+def _miss(points: Sequence[tuple[float, float]], a: float, b: float, c: float) -> float:
+    misses = [abs(a + b * n + c * n * n - v) / max(abs(v), 1.0) for n, v in points]
+    return max(misses, default=0.0)
+
+
+def fit(points: Sequence[tuple[float, float]]) -> Fit:
+    """The model of one figure from its ``(N, value)`` points (see the module docstring)."""
+    if not points:
+        return Fit(0.0, 0.0, 0.0, 0.0)
+    if len({n for n, _ in points}) == 1:
+        mean = statistics.fmean(v for _, v in points)
+        n = points[0][0]
+        return Fit(0.0, mean / n if n else 0.0, 0.0, 0.0)
+    a, b = _weighted_line(points)
+    miss = _miss(points, a, b, 0.0)
+    if miss <= _SUPERLINEAR_MISS or len({n for n, _ in points}) < 3:
+        return Fit(a, b, 0.0, miss)
+    # Through the smallest, the middle and the largest size (exact with three sizes).
+    by_n = sorted({n: statistics.fmean(v for m, v in points if m == n) for n, _ in points}.items())
+    (x0, y0), (x1, y1), (x2, y2) = by_n[0], by_n[len(by_n) // 2], by_n[-1]
+    d1 = (y1 - y0) / (x1 - x0)
+    d2 = (y2 - y1) / (x2 - x1)
+    c = (d2 - d1) / (x2 - x0)
+    b = d1 - c * (x0 + x1)
+    a = y0 - b * x0 - c * x0 * x0
+    return Fit(a, b, c, _miss(points, a, b, c))
+
+
+def _steady_rates(run: Mapping[str, Any]) -> dict[str, float]:
+    """Each figure per node-second of training, from the run's steady window."""
+    for phase in run["phases"]:
+        if phase["phase"] == "steady":
+            node_s = phase["times"].get("training_node_s") or phase["nodes"] * phase["window_s"]
+            return {k: phase["etcd"].get(k, 0.0) / node_s for k in (*_BACKGROUND, "keepalives")}
+    return {}
+
+
+def own_cost(phase: Mapping[str, Any], rates: Mapping[str, float], figure: str) -> float:
+    """The phase's own cost of ``figure`` (see the module docstring); the steady window
+    is given per second."""
+    raw = float(phase["etcd"].get(figure, 0.0))
+    if phase["phase"] == "steady":
+        return raw / float(phase["window_s"])
+    if figure not in _BACKGROUND:
+        return raw
+    training = float(phase["times"].get("training_node_s", 0.0))
+    return max(0.0, raw - rates.get(figure, 0.0) * training)
+
+
+def phase_points(
+    runs: Sequence[Mapping[str, Any]],
+) -> dict[str, dict[str, list[tuple[float, float]]]]:
+    """phase -> figure -> ``(N, own cost)`` points: one per run, phase and size of the
+    job at the phase's start (a phase measured several times at one size, such as
+    formation, gives the median)."""
+    out: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    for run in runs:
+        rates = _steady_rates(run)
+        groups: dict[tuple[str, int], list[Mapping[str, Any]]] = {}
+        for phase in run["phases"]:
+            groups.setdefault((phase["phase"], int(phase["nodes"])), []).append(phase)
+        for (name, n), phases in groups.items():
+            for figure in FIGURES:
+                if figure == "keepalives" and name != "steady":
+                    continue
+                value = statistics.median(own_cost(p, rates, figure) for p in phases)
+                out.setdefault(name, {}).setdefault(figure, []).append((float(n), value))
+    return out
+
+
+def renewals_per_node_s(runs: Sequence[Mapping[str, Any]]) -> tuple[float, float]:
+    """(lease renewals per node per second, the TTL they were measured at), the median
+    over the runs' steady windows."""
+    rates, ttls = [], []
+    for run in runs:
+        for phase in run["phases"]:
+            if phase["phase"] == "steady" and phase["nodes"]:
+                rates.append(
+                    phase["etcd"].get("keepalives", 0.0) / phase["window_s"] / phase["nodes"]
+                )
+                ttls.append(float(run["options"]["lease_ttl"]))
+    if not rates:
+        return 0.0, 0.0
+    return statistics.median(rates), statistics.median(ttls)
+
+
+def project(
+    fits: Mapping[str, Mapping[str, Fit]],
+    renewal: tuple[float, float],
+    nodes: int,
+    ttls: Sequence[int],
+    ceiling: float | None,
+) -> list[dict[str, Any]]:
+    """Rows of the projection to ``nodes`` agents at each lease TTL: renewals per second,
+    the time to notice a lost node, etcd's own time to revoke a whole job's leases (at its
+    limit of about 1,000 a second; 750 after a leader change), and each phase's writes
+    and the time they take at the measured ceiling (``ceiling`` txn/s)."""
+    per_node, measured_ttl = renewal
+    rows = []
+    for ttl in ttls:
+        renewals = per_node * measured_ttl / ttl * nodes if measured_ttl else 3.0 / ttl * nodes
+        row: dict[str, Any] = {
+            "ttl_s": ttl,
+            "renewals_per_s": renewals,
+            "vs_1500": renewals / 1500.0,
+            "lost_node_noticed_s": float(ttl),
+            "whole_job_revoked_s": nodes / 1000.0,
+            "after_leader_change_s": nodes / 750.0,
+        }
+        rows.append(row)
+    for row in rows:
+        for phase, figures in fits.items():
+            if "writes" in figures:
+                writes = figures["writes"].at(nodes)
+                row[f"{phase}_writes"] = writes
+                if ceiling:
+                    row[f"{phase}_writes_at_ceiling_s"] = writes / ceiling
+    return rows
+
+
+def ttl_advice(
+    renewal: tuple[float, float], budget: float = 1000.0, ttls: Sequence[int] = (5, 10, 15)
+) -> list[tuple[int, int]]:
+    """(TTL, the most nodes on one etcd that keep renewals at or under ``budget`` a
+    second), from the measured renewals per node per second."""
+    per_node, measured_ttl = renewal
+    out = []
+    for ttl in ttls:
+        rate = per_node * measured_ttl / ttl if measured_ttl else 3.0 / ttl
+        out.append((ttl, int(budget / rate) if rate > 0 else 0))
+    return out
