@@ -43,6 +43,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--nodes", type=_sizes, default=[10], help="sizes, comma-separated (10)")
+    p.add_argument("--jobs", default=defaults.jobs, help="which jobs run (abcde, see run.py)")
+    p.add_argument(
+        "--step",
+        type=float,
+        default=defaults.step_s,
+        help="seconds per stand-in training step (0.25); 0: no progress reports",
+    )
     p.add_argument("--lease-ttl", type=int, default=defaults.lease_ttl, help="seconds (5)")
     p.add_argument("--hosts", type=int, default=0, help="host processes (0: ~1 per 125 agents)")
     p.add_argument("--steady", type=float, default=defaults.steady_s, help="steady window, s")
@@ -76,6 +83,8 @@ def options_for(args: argparse.Namespace, nodes: int) -> FleetOptions:
     """The run's options at one size from the command line."""
     return FleetOptions(
         nodes=nodes,
+        jobs=args.jobs,
+        step_s=args.step,
         lease_ttl=args.lease_ttl,
         hosts=args.hosts,
         steady_s=args.steady,

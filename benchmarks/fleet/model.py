@@ -11,12 +11,20 @@ each agent's workers ran in the window, summed) is the phase's own cost. Lease r
 are only background (every live lease, whatever happens): they are modelled from the
 steady window alone.
 
-**The fit.** Each figure is fitted as ``a + b·N`` by least squares weighted by the
-points' size (each point counts for its relative error, so N = 10 weighs as much as
-N = 1000). When that line misses a point by more than 25 %, the figure is fitted as
-``a + b·N + c·N²`` instead and marked superlinear: with three sizes that curve goes
-through every point, so it says only that the cost grows faster than N, and how fast
-between the sizes measured.
+A run whose stand-in workers report no progress (``step_s`` 0: what fits a thousand
+agents on two cores today) gives no point for the steady window's writes and bytes,
+which are the agents' progress records.
+
+**The fit.** A figure whose cost per node more than doubles from the smallest size to the
+largest (N grew tenfold or more) is superlinear: it is fitted as ``a + b·N + c·N²``
+through the smallest, a middle and the largest size (``b·N + c·N²`` through both when
+only two were measured), which says how fast it grows between the sizes measured, not
+why. Every other figure is fitted as ``a + b·N`` by least squares weighted by the points'
+size (each point counts for its relative error, so N = 10 weighs as much as N = 1000);
+``miss`` is the largest relative distance of a point from its fit (noise, for the small
+counts).
+
+Lease renewals are fitted per TTL: ``k·N`` renewals per TTL, so ``k·N / TTL`` a second.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ __all__ = [
     "fit",
     "phase_points",
     "project",
-    "renewals_per_node_s",
+    "renewals_per_ttl",
     "ttl_advice",
 ]
 
@@ -58,7 +66,7 @@ FIGURES = {
     "keepalives": "lease renewals",
 }
 _BACKGROUND = ("writes", "rpc_Range", "rpc_Txn", "watch_events", "bytes_put")
-_SUPERLINEAR_MISS = 0.25
+_SUPERLINEAR_GROWTH = 2.0  # cost per node, largest size over smallest
 
 
 @dataclass(frozen=True)
@@ -118,27 +126,42 @@ def _miss(points: Sequence[tuple[float, float]], a: float, b: float, c: float) -
     return max(misses, default=0.0)
 
 
+def _by_size(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    sizes = sorted({n for n, _ in points})
+    return [(n, statistics.fmean(v for m, v in points if m == n)) for n in sizes]
+
+
+def _superlinear(sized: Sequence[tuple[float, float]]) -> bool:
+    (n0, v0), (n1, v1) = sized[0], sized[-1]
+    if n0 <= 0 or n1 < 10 * n0 or v1 <= 0:
+        return False
+    return (v1 / n1) > _SUPERLINEAR_GROWTH * max(v0 / n0, 1e-9)
+
+
 def fit(points: Sequence[tuple[float, float]]) -> Fit:
     """The model of one figure from its ``(N, value)`` points (see the module docstring)."""
     if not points:
         return Fit(0.0, 0.0, 0.0, 0.0)
-    if len({n for n, _ in points}) == 1:
-        mean = statistics.fmean(v for _, v in points)
-        n = points[0][0]
-        return Fit(0.0, mean / n if n else 0.0, 0.0, 0.0)
+    sized = _by_size(points)
+    if len(sized) == 1:
+        n, v = sized[0]
+        return Fit(0.0, v / n if n else 0.0, 0.0, 0.0)
+    if _superlinear(sized):
+        if len(sized) == 2:
+            (x0, y0), (x1, y1) = sized
+            c = (y1 / x1 - y0 / x0) / (x1 - x0)
+            b = y0 / x0 - c * x0
+            return Fit(0.0, b, c, _miss(points, 0.0, b, c))
+        (x0, y0), (x1, y1), (x2, y2) = sized[0], sized[len(sized) // 2], sized[-1]
+        d1 = (y1 - y0) / (x1 - x0)
+        d2 = (y2 - y1) / (x2 - x1)
+        c = (d2 - d1) / (x2 - x0)
+        if c > 0:
+            b = d1 - c * (x0 + x1)
+            a = y0 - b * x0 - c * x0 * x0
+            return Fit(a, b, c, _miss(points, a, b, c))
     a, b = _weighted_line(points)
-    miss = _miss(points, a, b, 0.0)
-    if miss <= _SUPERLINEAR_MISS or len({n for n, _ in points}) < 3:
-        return Fit(a, b, 0.0, miss)
-    # Through the smallest, the middle and the largest size (exact with three sizes).
-    by_n = sorted({n: statistics.fmean(v for m, v in points if m == n) for n, _ in points}.items())
-    (x0, y0), (x1, y1), (x2, y2) = by_n[0], by_n[len(by_n) // 2], by_n[-1]
-    d1 = (y1 - y0) / (x1 - x0)
-    d2 = (y2 - y1) / (x2 - x1)
-    c = (d2 - d1) / (x2 - x0)
-    b = d1 - c * (x0 + x1)
-    a = y0 - b * x0 - c * x0 * x0
-    return Fit(a, b, c, _miss(points, a, b, c))
+    return Fit(a, b, 0.0, _miss(points, a, b, 0.0))
 
 
 def _steady_rates(run: Mapping[str, Any]) -> dict[str, float]:
@@ -174,34 +197,39 @@ def phase_points(
         groups: dict[tuple[str, int], list[Mapping[str, Any]]] = {}
         for phase in run["phases"]:
             groups.setdefault((phase["phase"], int(phase["nodes"])), []).append(phase)
+        silent = float(run["options"].get("step_s", 1.0)) <= 0
+        ttl = float(run["options"]["lease_ttl"])
         for (name, n), phases in groups.items():
             for figure in FIGURES:
                 if figure == "keepalives" and name != "steady":
                     continue
+                if silent and name == "steady" and figure in ("writes", "bytes_put"):
+                    continue  # its workers reported no progress: nothing to publish
                 value = statistics.median(own_cost(p, rates, figure) for p in phases)
+                if figure == "keepalives":
+                    value *= ttl  # renewals per TTL: the same at every TTL
                 out.setdefault(name, {}).setdefault(figure, []).append((float(n), value))
     return out
 
 
-def renewals_per_node_s(runs: Sequence[Mapping[str, Any]]) -> tuple[float, float]:
-    """(lease renewals per node per second, the TTL they were measured at), the median
-    over the runs' steady windows."""
-    rates, ttls = [], []
-    for run in runs:
-        for phase in run["phases"]:
-            if phase["phase"] == "steady" and phase["nodes"]:
-                rates.append(
-                    phase["etcd"].get("keepalives", 0.0) / phase["window_s"] / phase["nodes"]
-                )
-                ttls.append(float(run["options"]["lease_ttl"]))
-    if not rates:
-        return 0.0, 0.0
-    return statistics.median(rates), statistics.median(ttls)
+def renewals_per_ttl(runs: Sequence[Mapping[str, Any]]) -> float:
+    """Lease renewals per lease per TTL (3 for a renewal every TTL/3), the median over
+    the runs' steady windows (0 without one): a node renews ``k / TTL`` times a second."""
+    measured = [
+        phase["etcd"].get("keepalives", 0.0)
+        / phase["window_s"]
+        / phase["nodes"]
+        * float(run["options"]["lease_ttl"])
+        for run in runs
+        for phase in run["phases"]
+        if phase["phase"] == "steady" and phase["nodes"]
+    ]
+    return statistics.median(measured) if measured else 0.0
 
 
 def project(
     fits: Mapping[str, Mapping[str, Fit]],
-    renewal: tuple[float, float],
+    renewal: float,
     nodes: int,
     ttls: Sequence[int],
     ceiling: float | None,
@@ -210,10 +238,9 @@ def project(
     the time to notice a lost node, etcd's own time to revoke a whole job's leases (at its
     limit of about 1,000 a second; 750 after a leader change), and each phase's writes
     and the time they take at the measured ceiling (``ceiling`` txn/s)."""
-    per_node, measured_ttl = renewal
     rows = []
     for ttl in ttls:
-        renewals = per_node * measured_ttl / ttl * nodes if measured_ttl else 3.0 / ttl * nodes
+        renewals = renewal / ttl * nodes
         row: dict[str, Any] = {
             "ttl_s": ttl,
             "renewals_per_s": renewals,
@@ -234,13 +261,12 @@ def project(
 
 
 def ttl_advice(
-    renewal: tuple[float, float], budget: float = 1000.0, ttls: Sequence[int] = (5, 10, 15)
+    renewal: float, budget: float = 1000.0, ttls: Sequence[int] = (5, 10, 15)
 ) -> list[tuple[int, int]]:
     """(TTL, the most nodes on one etcd that keep renewals at or under ``budget`` a
-    second), from the measured renewals per node per second."""
-    per_node, measured_ttl = renewal
+    second), from the measured renewals per lease per TTL (:func:`renewals_per_ttl`)."""
     out = []
     for ttl in ttls:
-        rate = per_node * measured_ttl / ttl if measured_ttl else 3.0 / ttl
+        rate = renewal / ttl
         out.append((ttl, int(budget / rate) if rate > 0 else 0))
     return out

@@ -225,10 +225,11 @@ class JobRun:
         alive = sorted(self.alive)
         opened = self.measurer.begin()
         t0 = self.fleet.finish()
+        # The exit barrier's counter is one key every agent adds to (its cost grows with
+        # N²): its bound does too.
+        bound = max(self._timeout(), 120.0 + len(alive) ** 2 / 2000)
         self.fleet.wait_for(
-            "the job's end",
-            lambda: all(self.fleet.exit_of(a) is not None for a in alive),
-            self._timeout(),
+            "the job's end", lambda: all(self.fleet.exit_of(a) is not None for a in alive), bound
         )
         exits = [e for a in alive if (e := self.fleet.exit_of(a)) is not None]
         codes = sorted({code for code, _ in exits})

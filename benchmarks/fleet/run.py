@@ -8,7 +8,8 @@ B. formation, the loss of half the agents at once (SIGKILL of the hosts holding 
    the survivors' end;
 C. formation, the loss of every agent at once, what is left ``after_s`` later;
 D. (``preflight``) formation with ``--health-check`` (the check process stood in), end;
-E. more formations (each with its end) until ``formations`` in all;
+E. more formations until ``formations`` in all, each ended by the loss of every agent
+   (cheaper at a thousand agents than the exit barrier, and more samples of that loss);
 F. (``churn_jobs``) that many small jobs, ``churn_parallel`` at a time, each formed,
    trained and ended; the database size before (compacted, defragmented) and after
    their retention (compacted, then defragmented), and what they left.
@@ -44,9 +45,10 @@ class FleetOptions:
     """Everything one fleet run is told; every field is in its JSON output."""
 
     nodes: int
+    jobs: str = "abcde"  # which of the jobs below run
     lease_ttl: int = 5
     hosts: int = 0  # host processes for the bulk of the agents (0: one per ~125, 2 to 8)
-    step_s: float = 0.25
+    step_s: float = 0.25  # 0: the stand-in workers report no progress (no hang phase)
     steady_s: float = 10.0
     hang_timeout: float = 3.0
     retention_s: float = 5.0
@@ -144,7 +146,8 @@ def _job_a(run: _Run, job: JobRun) -> None:
     run.phases.append(job.form())
     run.phases.append(job.steady(o.steady_s))
     run.phases.append(job.worker_failure())
-    run.phases.append(job.hang())
+    if o.step_s > 0:
+        run.phases.append(job.hang())
     run.phases.append(job.lose([0], "node-loss"))
     run.phases.append(job.end())
     run.leftover("job-end", job, o.retention_s)
@@ -167,6 +170,11 @@ def _job_c(run: _Run, job: JobRun) -> None:
 def _job_plain(run: _Run, job: JobRun) -> None:
     run.phases.append(job.form())
     run.phases.append(job.end())
+
+
+def _job_repeat(run: _Run, job: JobRun) -> None:
+    run.phases.append(job.form())
+    run.phases.append(job.lost())
 
 
 def _wait_churn_formed(fleet: Fleet, job: JobSpec, agents: list[int], timeout: float) -> None:
@@ -237,6 +245,9 @@ def _plan(run: _Run) -> list[tuple[str, Callable[[JobRun], None], bool]]:
     def plain(job: JobRun) -> None:
         _job_plain(run, job)
 
+    def repeat(job: JobRun) -> None:
+        _job_repeat(run, job)
+
     plan: list[tuple[str, Callable[[JobRun], None], bool]] = [
         ("a", lambda job: _job_a(run, job), False),
         ("b", lambda job: _job_b(run, job), False),
@@ -244,8 +255,8 @@ def _plan(run: _Run) -> list[tuple[str, Callable[[JobRun], None], bool]]:
     ]
     if options.preflight:
         plan.append(("d", plain, True))
-    plan += [(f"e{i}", plain, False) for i in range(max(0, options.formations - 3))]
-    return plan
+    plan += [(f"e{i}", repeat, False) for i in range(max(0, options.formations - 3))]
+    return [entry for entry in plan if entry[0][0] in options.jobs]
 
 
 def run_fleet(

@@ -97,7 +97,8 @@ class Trainer:
     the workers of a job train in lockstep, as data-parallel ranks do.
 
     Args:
-        step_s: seconds per training step.
+        step_s: seconds per training step; 0: the workers never report progress (nothing
+            for hang detection to publish or judge).
         epoch: when step 0 was (``time.monotonic()``).
     """
 
@@ -108,10 +109,11 @@ class Trainer:
         self._workers: set[_Worker] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stand-in-trainer", daemon=True)
-        self._thread.start()
+        if step_s > 0:
+            self._thread.start()
 
     def step_now(self) -> int:
-        return int((time.monotonic() - self._epoch) / self._step_s)
+        return int((time.monotonic() - self._epoch) / self._step_s) if self._step_s > 0 else 0
 
     def add(self, worker: _Worker) -> None:
         with self._lock:
@@ -123,7 +125,8 @@ class Trainer:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
 
     def _run(self) -> None:
         while not self._stop.wait(self._step_s):

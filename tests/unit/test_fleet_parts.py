@@ -17,7 +17,7 @@ from agent.workers.logs import StreamPlan, WorkerLogs
 from agent.workers.state import WorkerState
 from benchmarks.fleet.etcd_metrics import Reading, change, leader_of, parse
 from benchmarks.fleet.measure import cpu_bound, training_seconds
-from benchmarks.fleet.model import Fit, fit, own_cost, phase_points, ttl_advice
+from benchmarks.fleet.model import Fit, fit, own_cost, phase_points, renewals_per_ttl, ttl_advice
 from benchmarks.fleet.report import render
 from benchmarks.fleet.run import layout, pick_slots
 from benchmarks.fleet.standin import ProgressSlot, StandInCheck, StandInGroup, Trainer
@@ -279,7 +279,8 @@ def test_phase_points_model_and_ttl_advice_from_runs() -> None:
     points = phase_points(runs)
     f = fit(points["formation"]["writes"])
     assert f.b == pytest.approx(3.0)  # 4N written, N of it training
-    advice = dict(ttl_advice((0.6, 5.0)))
+    assert renewals_per_ttl(runs) == pytest.approx(3.0)  # 0.6 a second at TTL 5
+    advice = dict(ttl_advice(3.0))
     assert advice[5] == 1666 and advice[15] == 5000
     text = render(runs, ceiling=10_000.0, formation=(0.05, 1.0, 20.0))
     assert "3·N" in text and "10,000" in text and "formation N=32" in text
