@@ -27,6 +27,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from benchmarks.stats import samples
 from coordinator.etcd_server import EtcdCluster
 
 __all__ = [
@@ -39,7 +40,6 @@ __all__ = [
     "scrape",
 ]
 
-_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 # figure -> series, read on the leader.
@@ -79,21 +79,11 @@ def parse(text: str) -> dict[str, float]:
     """One member's page as figures: plain series summed over their labels under their
     name, and gRPC series by method as ``<series>:<service>/<method>``."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        match = _SAMPLE.match(line)
-        if match is None:
-            continue
-        try:
-            value = float(match.group(3))
-        except ValueError:
-            continue
-        name = match.group(1)
+    for name, labels, value in samples(text):
         out[name] = out.get(name, 0.0) + value
-        if name.startswith("grpc_server_") and match.group(2):
-            labels = dict(_LABEL.findall(match.group(2)))
-            key = f"{name}:{labels.get('grpc_service', '')}/{labels.get('grpc_method', '')}"
+        if name.startswith("grpc_server_") and labels:
+            found = dict(_LABEL.findall(labels))
+            key = f"{name}:{found.get('grpc_service', '')}/{found.get('grpc_method', '')}"
             out[key] = out.get(key, 0.0) + value
     return out
 

@@ -38,23 +38,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.observe.metrics import RunMetrics
+from benchmarks.node import _describe, _emit  # one JSON line a message, as node processes
 
 __all__ = ["main"]
 
 log = logging.getLogger(__name__)
-
-_out_lock = threading.Lock()
-
-
-def _emit(message: dict[str, Any]) -> None:
-    line = json.dumps(message)
-    with _out_lock:
-        sys.stdout.write(line + "\n")
-        sys.stdout.flush()
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"[:500]
 
 
 @dataclass

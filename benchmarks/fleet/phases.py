@@ -25,6 +25,8 @@ from coordinator.etcd_server import EtcdCluster
 __all__ = ["JobRun", "Leftovers", "formed_after", "latest_starts"]
 
 _START_MARGIN_S = 1.0
+# The parts of a run's prefix (docs/keys.md), for what a run leaves behind.
+_KINDS = ("state", "nodes/", "progress/", "store/", "events/")
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,8 @@ class Leftovers:
     keys_under_prefix: int
     leases: int
     after_s: float
+    by_kind: dict[str, int]
+    """Keys left under each part of the run's prefix (state, nodes, store, ...)."""
 
 
 def latest_starts(fleet: Fleet, agents: Sequence[int]) -> list[AgentStart | None]:
@@ -54,6 +58,19 @@ def formed_after(latest: Sequence[AgentStart | None], old_round: int) -> bool:
     rounds = {s.round for s in latest if s is not None}
     worlds = {s.world for s in latest if s is not None}
     return len(rounds) == 1 and worlds == {len(latest)}
+
+
+def where_they_are(latest: Sequence[AgentStart | None]) -> str:
+    """How far the agents got: how many train in which round (of which world size), and
+    how many never started."""
+    counts: dict[tuple[int, int], int] = {}
+    for start in latest:
+        if start is not None:
+            key = (start.round, start.world)
+            counts[key] = counts.get(key, 0) + 1
+    parts = [f"{n} training in round {r} of {w}" for (r, w), n in sorted(counts.items())]
+    never = sum(1 for start in latest if start is None)
+    return ", ".join(parts + ([f"{never} never started"] if never else [])) or "nobody"
 
 
 class JobRun:
@@ -114,7 +131,10 @@ class JobRun:
         return formed_after(self._latest(sorted(self.alive)), old_round)
 
     def _wait_formed(self, what: str, old_round: int, timeout: float) -> list[AgentStart]:
-        self.fleet.wait_for(what, lambda: self._formed_after(old_round), timeout)
+        try:
+            self.fleet.wait_for(what, lambda: self._formed_after(old_round), timeout)
+        except RunError as exc:
+            raise RunError(f"{exc}; {where_they_are(self._latest(sorted(self.alive)))}") from exc
         starts = [s for s in self._latest(sorted(self.alive)) if s is not None]
         problem = rank_problem([s.rank for s in starts], [s.world for s in starts], len(self.alive))
         if problem is not None:
@@ -227,7 +247,7 @@ class JobRun:
         t0 = self.fleet.finish()
         # The exit barrier's counter is one key every agent adds to (its cost grows with
         # N²): its bound does too.
-        bound = max(self._timeout(), 120.0 + len(alive) ** 2 / 2000)
+        bound = max(self._timeout(), 120.0 + len(alive) ** 2 / 1000)
         self.fleet.wait_for(
             "the job's end", lambda: all(self.fleet.exit_of(a) is not None for a in alive), bound
         )
@@ -280,11 +300,18 @@ class JobRun:
         if wait > 0:
             time.sleep(wait)  # etcd removes what the retention lease holds on its own clock
         run_prefix = f"{self.key_prefix}/{self.job.run_id}/"
+        keys = admin.keys_under(run_prefix)
+        kinds = {k: admin.keys_under(run_prefix + k) for k in _KINDS} if keys else {}
+        kinds = {k: n for k, n in kinds.items() if n}
+        other = keys - sum(kinds.values())
+        if other:
+            kinds["other"] = other
         return Leftovers(
-            keys=admin.keys_under(run_prefix),
+            keys=keys,
             keys_under_prefix=admin.keys_under(f"{self.key_prefix}/"),
             leases=admin.leases(),
             after_s=after_s,
+            by_kind=kinds,
         )
 
 

@@ -135,6 +135,8 @@ class _Run:
             self.errors.append(f"job {tag}: {exc}")
             self.fleet.kill(self.fleet.live_slots())
             self.fleet.reset_dead()
+            # Its leases expire on etcd's clock: not in the next job's first window.
+            time.sleep(self.options.lease_ttl + 2.0)
 
     def leftover(self, name: str, job: JobRun, retention: float) -> None:
         left: Leftovers = job.leftovers(self.admin, self.options.after_s, retention)
