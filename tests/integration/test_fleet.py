@@ -28,10 +28,10 @@ def result() -> dict[str, Any]:
     options = FleetOptions(
         nodes=N,
         lease_ttl=TTL,
-        steady_s=3.0,
+        steady_s=2.0,
         hang_timeout=1.5,
         retention_s=2.0,
-        after_s=2.0,
+        after_s=1.0,
         settle_s=1.0,
         formations=3,
         preflight=True,
