@@ -16,8 +16,10 @@ from agent.workers.launch import WorkerLaunch, WorkerRanks
 from agent.workers.logs import StreamPlan, WorkerLogs
 from agent.workers.state import WorkerState
 from benchmarks.fleet.etcd_metrics import Reading, change, leader_of, parse
+from benchmarks.fleet.fleet import AgentStart
 from benchmarks.fleet.measure import cpu_bound, training_seconds
 from benchmarks.fleet.model import Fit, fit, own_cost, phase_points, renewals_per_ttl, ttl_advice
+from benchmarks.fleet.phases import formed_after, where_they_are
 from benchmarks.fleet.report import render
 from benchmarks.fleet.run import layout, pick_slots
 from benchmarks.fleet.standin import ProgressSlot, StandInCheck, StandInGroup, Trainer
@@ -213,6 +215,24 @@ def test_training_seconds_counts_each_run_inside_the_window() -> None:
     # still running at the window's end
     assert training_seconds([1.0], [], None, 0.0, 5.0) == pytest.approx(4.0)
     assert training_seconds([], [], None, 0.0, 5.0) == 0.0
+
+
+def _start(agent: int, round: int, world: int) -> AgentStart:
+    return AgentStart(agent, "run", round, agent, world, None, 0.0)
+
+
+def test_formed_after_wants_every_agent_in_one_new_round_of_all_of_them() -> None:
+    full = [_start(0, 2, 2), _start(1, 2, 2)]
+    assert formed_after(full, 1)
+    assert not formed_after(full, 2)  # not after round 2
+    assert not formed_after([_start(0, 2, 1), None], 1)  # one never started
+    assert not formed_after([_start(0, 2, 2), _start(1, 3, 2)], 1)  # two rounds
+
+
+def test_where_they_are_says_how_far_a_formation_got() -> None:
+    latest = [_start(0, 1, 2), _start(1, 1, 2), None]
+    assert where_they_are(latest) == "2 training in round 1 of 2, 1 never started"
+    assert where_they_are([]) == "nobody"
 
 
 def test_cpu_bound_names_the_busiest_only_when_the_machine_was_full() -> None:
