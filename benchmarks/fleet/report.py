@@ -76,8 +76,7 @@ def targets(
 ) -> list[str]:
     """One line per target of issue 20 that the runs answer (see docs/scale.md)."""
     lines = []
-    big = [r for r in runs if r["nodes"] >= 1000]
-    for run in big:
+    for run in sorted(runs, key=lambda r: r["nodes"]):
         ttl = run["options"]["lease_ttl"]
         for p in _phases(run, "half-lost"):
             after = p["times"].get("trained_after_last_expiry_s")
@@ -88,6 +87,7 @@ def targets(
                 f"after etcd's last revoke (target ≤ TTL + 3 = {ttl + 3} s): "
                 f"{_verdict(ok)}"
             )
+    for run in [r for r in runs if r["nodes"] >= 1000]:
         forms = _phases(run, "formation")
         complete = sum(1 for p in forms if p["times"].get("first_round_complete") == 1.0)
         lines.append(
@@ -120,11 +120,20 @@ def targets(
                 f"{churn['keys_left']} keys and {churn['leases_left']} leases left"
             )
         for name, left in run.get("leftovers", {}).items():
+            kinds = ", ".join(f"{k.rstrip('/')} {n}" for k, n in left.get("by_kind", {}).items())
+            what = f"{left['keys']} keys ({kinds})" if kinds else f"{left['keys']} keys"
+            if name == "job-lost":
+                lines.append(
+                    f"N={run['nodes']}: a job lost whole left {what} and {left['leases']} "
+                    f"leases {left['after_s']:g} s after etcd's last expiry (nobody closed it, "
+                    "so no retention: `rdzvctl gc` removes it; no target)"
+                )
+                continue
             ok = left["keys"] == 0 and left["leases"] == 0
-            when = f"{left['after_s']:g} s after its retention ({left['retention_s']:g} s)"
             lines.append(
-                f"N={run['nodes']}: {name}: {left['keys']} keys and {left['leases']} "
-                f"leases left {when} (target 0): {_verdict(ok)}"
+                f"N={run['nodes']}: a job that ended left {what} and {left['leases']} leases "
+                f"{left['after_s']:g} s after its retention ({left['retention_s']:g} s) ended "
+                f"(target 0): {_verdict(ok)}"
             )
     return lines
 
@@ -141,8 +150,9 @@ def _points_table(runs: Sequence[Mapping[str, Any]]) -> list[str]:
                     f"{k.removesuffix('_s')} {p['times'][k]:.2f}" for k in _TIMES if k in p["times"]
                 )
                 cpu = p["harness"]
+                label = f"{name} (check process stood in)" if name.endswith("preflight") else name
                 lines.append(
-                    f"| {name} | {p['nodes']} | {p['window_s']:.1f} | {counts} | "
+                    f"| {label} | {p['nodes']} | {p['window_s']:.1f} | {counts} | "
                     f"{times} | {cpu.get('bound')}: agents {cpu.get('hosts_cores')}, "
                     f"etcd {cpu.get('etcd_cores')} of {cpu.get('cores')} |"
                 )
@@ -174,6 +184,7 @@ def _formula_table(fits: Mapping[str, Mapping[str, Fit]]) -> list[str]:
                 continue
             cells.append(f"{f.formula()}{mark} → **{f.at(PROJECT_TO):.3g}**")
         unit = " (per s)" if name == "steady" else ""
+        unit += " (check process stood in)" if name.endswith("preflight") else ""
         lines.append(f"| {name}{unit} | " + " | ".join(cells) + " |")
     return lines
 
