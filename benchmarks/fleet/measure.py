@@ -27,6 +27,7 @@ __all__ = [
     "PhaseResult",
     "cpu_bound",
     "machine_ticks",
+    "quiesce",
     "training_seconds",
 ]
 
@@ -159,6 +160,31 @@ def _cores() -> int:
 
 
 _EXPIRED = "etcd_debugging_server_lease_expired_total"
+_WRITES = "etcd_server_proposals_committed_total"
+
+
+def _leader_writes(cluster: EtcdCluster) -> float:
+    reading = scrape(cluster)
+    return reading.at_leader(_WRITES)
+
+
+def quiesce(
+    cluster: EtcdCluster, quiet_s: float = 2.0, bound_s: float = 120.0, poll_s: float = 0.5
+) -> tuple[float, float]:
+    """Wait until etcd commits nothing for ``quiet_s`` (at most ``bound_s``), so that
+    what a job does after its end lands in no later window; returns (seconds waited,
+    writes committed meanwhile). Reads ``/metrics`` only."""
+    started = time.monotonic()
+    first = last = _leader_writes(cluster)
+    still_since = started
+    while time.monotonic() - started < bound_s:
+        time.sleep(poll_s)  # etcd's counters move on etcd's clock: nothing to wait on
+        now = _leader_writes(cluster)
+        if now != last:
+            last, still_since = now, time.monotonic()
+        elif time.monotonic() - still_since >= quiet_s:
+            break
+    return time.monotonic() - started, last - first
 
 
 class ExpiryPoller:

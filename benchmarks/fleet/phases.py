@@ -17,7 +17,13 @@ from dataclasses import dataclass
 
 from benchmarks.fleet.etcd_admin import EtcdAdmin
 from benchmarks.fleet.fleet import AgentStart, Fleet, JobSpec
-from benchmarks.fleet.measure import ExpiryPoller, Measurer, PhaseResult, training_seconds
+from benchmarks.fleet.measure import (
+    ExpiryPoller,
+    Measurer,
+    PhaseResult,
+    quiesce,
+    training_seconds,
+)
 from benchmarks.procs import RunError
 from benchmarks.stats import rank_problem
 from coordinator.etcd_server import EtcdCluster
@@ -260,7 +266,15 @@ class JobRun:
         result = self._training(self.measurer.end(opened, "job-end", len(alive), times, notes))
         self.fleet.release()
         self.alive = set()
+        self._quiet(result)
         return result
+
+    def _quiet(self, result: PhaseResult) -> None:
+        """Wait until etcd is quiet before the next job, and say what came after the end
+        (a job that is over should write nothing more)."""
+        waited, writes = quiesce(self.cluster)
+        result.times["quiet_after_s"] = waited
+        result.times["writes_after_end"] = writes
 
     def lost(self) -> PhaseResult:
         """SIGKILL every host of the job at once; measured until etcd expired every
@@ -289,8 +303,11 @@ class JobRun:
             if times["expired"] >= count
             else [f"only {times['expired']:g} of {count} leases expired"]
         )
-        result = self.measurer.end(opened, "job-lost", count, times, notes, hosts_cpu_lost=lost_cpu)
-        return self._training(result)
+        result = self._training(
+            self.measurer.end(opened, "job-lost", count, times, notes, hosts_cpu_lost=lost_cpu)
+        )
+        self._quiet(result)
+        return result
 
     def leftovers(self, admin: EtcdAdmin, after_s: float, retention_s: float) -> Leftovers:
         """Wait until ``retention_s + after_s`` past the job's end, then count what it left:
