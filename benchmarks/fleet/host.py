@@ -237,6 +237,13 @@ class Host:
             sim = self._sims.pop(index)
             if sim.thread is not None:
                 sim.thread.join(timeout=30)
+        if not self._sims and self._client is not None:
+            # An agent's run() can return while a phase it abandoned still runs (an exit
+            # barrier a lost peer ended still retries its add): in etcdrun the process
+            # exits, here the shared client must close, or that thread writes on into
+            # the next job's windows. (An agent's own client closes when it leaves.)
+            self._client.close()
+            self._client = None
 
     def stats(self) -> dict[str, Any]:
         usage = resource.getrusage(resource.RUSAGE_SELF)
