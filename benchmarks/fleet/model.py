@@ -11,6 +11,9 @@ each agent's workers ran in the window, summed) is the phase's own cost. Lease r
 are only background (every live lease, whatever happens): they are modelled from the
 steady window alone.
 
+A phase in which leases of live agents expired (:func:`disturbed`: the simulated agents'
+host starved their keep-alives) is not fitted.
+
 A run whose stand-in workers report no progress (``step_s`` 0: what fits a thousand
 agents on two cores today) gives no point for the steady window's writes and bytes,
 which are the agents' progress records.
@@ -38,6 +41,7 @@ __all__ = [
     "FIGURES",
     "PHASES",
     "Fit",
+    "disturbed",
     "fit",
     "phase_points",
     "project",
@@ -79,7 +83,8 @@ class Fit:
     miss: float
 
     def at(self, n: float) -> float:
-        return self.a + self.b * n + self.c * n * n
+        """The cost at ``n`` (a count: never below 0)."""
+        return max(0.0, self.a + self.b * n + self.c * n * n)
 
     @property
     def superlinear(self) -> bool:
@@ -173,6 +178,17 @@ def _steady_rates(run: Mapping[str, Any]) -> dict[str, float]:
     return {}
 
 
+def disturbed(phase: Mapping[str, Any]) -> int:
+    """How many leases of live agents expired in the phase (0: none): the agents whose
+    host starved their keep-alives lost their lease and joined again, so the phase
+    measured the harness's overload as much as the protocol; such a phase is shown but
+    not fitted."""
+    expired = int(phase["etcd"].get("lease_expired", 0))
+    if phase["phase"] == "job-lost":
+        return max(0, expired - int(phase["nodes"]))
+    return max(0, expired - int(phase["times"].get("killed", 0)))
+
+
 def own_cost(phase: Mapping[str, Any], rates: Mapping[str, float], figure: str) -> float:
     """The phase's own cost of ``figure`` (see the module docstring); the steady window
     is given per second."""
@@ -196,7 +212,8 @@ def phase_points(
         rates = _steady_rates(run)
         groups: dict[tuple[str, int], list[Mapping[str, Any]]] = {}
         for phase in run["phases"]:
-            groups.setdefault((phase["phase"], int(phase["nodes"])), []).append(phase)
+            if not disturbed(phase):
+                groups.setdefault((phase["phase"], int(phase["nodes"])), []).append(phase)
         silent = float(run["options"].get("step_s", 1.0)) <= 0
         ttl = float(run["options"]["lease_ttl"])
         for (name, n), phases in groups.items():

@@ -31,6 +31,8 @@ from coordinator.etcd_server import EtcdCluster
 __all__ = ["JobRun", "Leftovers", "formed_after", "latest_starts"]
 
 _START_MARGIN_S = 1.0
+# How long the requests a killed host had sent may take to land in etcd.
+_IN_FLIGHT_S = 0.5
 # The parts of a run's prefix (docs/keys.md), for what a run leaves behind.
 _KINDS = ("state", "nodes/", "progress/", "store/", "events/")
 
@@ -277,16 +279,18 @@ class JobRun:
         result.times["writes_after_end"] = writes
 
     def lost(self) -> PhaseResult:
-        """SIGKILL every host of the job at once; measured until etcd expired every
-        lease of it (the counts are etcd's own clean-up)."""
+        """SIGKILL every host of the job at once; measured from just after the kill until
+        etcd expired every lease of it: the counts are etcd's own clean-up (the requests
+        the dead had in flight land before the window opens; no lease can expire that
+        soon, each was renewed within its last TTL/3)."""
         slots = self.fleet.live_slots()
         count = len(self.alive)
         with ExpiryPoller(self.cluster) as poller:
-            opened = self.measurer.begin()
-            lost_cpu = _cpu_of(self.fleet, slots)
             t_kill = self.fleet.kill(slots)
             self.dead_at.update(dict.fromkeys(self.alive, t_kill))
             self.alive = set()
+            time.sleep(min(_IN_FLIGHT_S, self.lease_ttl / 3))
+            opened = self.measurer.begin()
             deadline = t_kill + 3 * self.lease_ttl + 30 + count / 500
             while poller.expired_since_start() < count and time.monotonic() < deadline:
                 time.sleep(0.2)  # etcd expires them on its own clock: nothing to wait on
@@ -303,9 +307,7 @@ class JobRun:
             if times["expired"] >= count
             else [f"only {times['expired']:g} of {count} leases expired"]
         )
-        result = self._training(
-            self.measurer.end(opened, "job-lost", count, times, notes, hosts_cpu_lost=lost_cpu)
-        )
+        result = self._training(self.measurer.end(opened, "job-lost", count, times, notes))
         self._quiet(result)
         return result
 

@@ -15,6 +15,7 @@ from benchmarks.fleet.model import (
     FIGURES,
     PHASES,
     Fit,
+    disturbed,
     fit,
     phase_points,
     project,
@@ -146,11 +147,14 @@ def _points_table(runs: Sequence[Mapping[str, Any]]) -> list[str]:
             for p in _phases(run, name):
                 etcd = p["etcd"]
                 counts = " | ".join(f"{etcd.get(k, 0):.0f}" for k in FIGURES)
+
                 times = ", ".join(
                     f"{k.removesuffix('_s')} {p['times'][k]:.2f}" for k in _TIMES if k in p["times"]
                 )
                 cpu = p["harness"]
                 label = f"{name} (check process stood in)" if name.endswith("preflight") else name
+                label += " ⚠" if disturbed(p) else ""
+                label += " ⚑" if etcd.get("leader_changed") else ""
                 lines.append(
                     f"| {label} | {p['nodes']} | {p['window_s']:.1f} | {counts} | "
                     f"{times} | {cpu.get('bound')}: agents {cpu.get('hosts_cores')}, "
@@ -214,7 +218,9 @@ def render(
     out += [
         "",
         "**Measured points** (etcd's own counts in each phase's window, training "
-        "included; times in seconds; CPU in cores over the window, and who bounded it)",
+        "included; times in seconds; CPU in cores over the window, and who bounded it; "
+        "⚠: leases of live agents expired in the window (their host process starved their "
+        "keep-alives; not fitted); ⚑: etcd's leader changed in the window)",
         "",
     ]
     out += _points_table(runs)
