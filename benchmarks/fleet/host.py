@@ -32,6 +32,7 @@ import logging
 import os
 import resource
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -255,6 +256,9 @@ class Host:
 
 
 def _serve(settings: dict[str, Any]) -> None:
+    # The agents' temporary files (progress files, default log folders) go into the run's
+    # folder, which the driver removes: a SIGKILLed agent cannot remove its own.
+    tempfile.tempdir = str(settings["log_dir"])
     host = Host(settings)
     _emit({"event": "up", "pid": os.getpid(), "t": time.monotonic()})
     for line in sys.stdin:
