@@ -168,9 +168,7 @@ def worker_failure(args: argparse.Namespace) -> dict[str, Any]:
         "max_restarts": 3,
         "launcher": "etcdrun (ours) / torchrun (torch), each agent's defaults otherwise",
     }
-    systems = measure(
-        args.systems, run, args.repeat, shared, lease_ttl=args.lease_ttl
-    )
+    systems = measure(args.systems, run, args.repeat, shared, lease_ttl=args.lease_ttl)
     method = (
         f"{_NNODES} real agents x {_NPROC} workers (worker_script.py, standard library only) "
         "on this machine; the worker with global rank 1 exits 1; time from the stamp it "

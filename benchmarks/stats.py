@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import re
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 __all__ = [
     "ETCD_COUNTERS",
@@ -19,6 +19,7 @@ __all__ = [
     "parse_prometheus",
     "rank_problem",
     "ratio",
+    "samples",
     "summarize",
 ]
 
@@ -69,13 +70,9 @@ def ratio(torch_median: float | None, ours_median: float | None) -> float | None
     return torch_median / ours_median
 
 
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Sum each metric of a Prometheus text page over its labels.
-
-    Histogram and summary series keep their suffixed names (``_bucket``, ``_sum``,
-    ``_count``); lines that are comments or do not parse are skipped.
-    """
-    totals: dict[str, float] = {}
+def samples(text: str) -> Iterator[tuple[str, str, float]]:
+    """Every sample of a Prometheus text page: its name, its labels' text (``""``
+    without) and its value; lines that are comments or do not parse are skipped."""
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
@@ -86,7 +83,17 @@ def parse_prometheus(text: str) -> dict[str, float]:
             value = float(match.group(3))
         except ValueError:
             continue
-        name = match.group(1)
+        yield match.group(1), (match.group(2) or "").strip("{}"), value
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Sum each metric of a Prometheus text page over its labels.
+
+    Histogram and summary series keep their suffixed names (``_bucket``, ``_sum``,
+    ``_count``); lines that are comments or do not parse are skipped.
+    """
+    totals: dict[str, float] = {}
+    for name, _, value in samples(text):
         totals[name] = totals.get(name, 0.0) + value
     return totals
 

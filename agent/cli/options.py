@@ -108,7 +108,9 @@ def add_options(parser: argparse.ArgumentParser, option: _Option, flag: _Flag) -
         help="rendezvous settings, e.g. join_timeout=600,lease_ttl=5; keys: join_timeout, "
         "last_call_timeout, close_timeout, read_timeout, timeout, lease_ttl, key_prefix, "
         "protocol, ssl_cert, ssl_cert_key, ca_cert, user, password_file (the password: "
-        "that file or $ETCD_ELASTIC_PASSWORD, never on the command line)",
+        "that file or $ETCD_ELASTIC_PASSWORD, never on the command line). lease_ttl by "
+        "the nodes of all jobs on one etcd: 5 up to ~1,500, 10 up to ~3,000, 15 up to "
+        "~5,000 (docs/scale.md)",
     )
     flag(
         rdzv,

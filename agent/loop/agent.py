@@ -68,6 +68,7 @@ from agent.workers.bootstrap import BootstrapHost, BootstrapTicket
 from agent.workers.errorfile import Failure, root_cause
 from agent.workers.group import (
     WorkerGroup,
+    WorkerLauncher,
     WorkerStartError,
     omp_num_threads,
 )
@@ -106,6 +107,7 @@ class Agent:
         console_out: TextIO | None = None,
         console_err: TextIO | None = None,
         metrics: RunMetrics | None = None,
+        launcher: WorkerLauncher = WorkerGroup,
     ) -> None:
         """
         Args:
@@ -115,6 +117,8 @@ class Agent:
             console_out, console_err: where tee'd worker lines and the failure report go
                 (default: sys.stdout / sys.stderr at the time of writing).
             metrics: hears of rounds, restarts and workers (default: nothing measured).
+            launcher: makes each attempt's worker group (default: :class:`WorkerGroup`,
+                processes; the fleet harness passes threads that stand in for them).
         """
         self._config = config
         self._handler = handler
@@ -139,6 +143,7 @@ class Agent:
         # before each formation so a fixed --master-port is free for the next round.
         self._bootstrap = BootstrapHost()
         self._group: WorkerGroup | None = None
+        self._launcher = launcher
         self._warm = WarmPool(
             config.warm_modules, enabled=config.warm_start, depth=config.warm_pool_size
         )
@@ -566,7 +571,7 @@ class Agent:
         )
         self._wake.clear()
         self._hang.begin(self._rdzv.last_round if self._rdzv.last_round >= 0 else self._attempt)
-        self._group = WorkerGroup(
+        self._group = self._launcher(
             launches, self.wake, console_out=self._console_out, console_err=self._console_err,
             warm=self._warm, interrupted=self._wake,
         )  # fmt: skip

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from string import Template
-from typing import TextIO
+from typing import Protocol, TextIO
 
 from agent.workers.launch import WorkerLaunch, WorkerRanks
 from agent.workers.logs import LinePump
@@ -43,6 +43,7 @@ __all__ = [
     "Exited",
     "GroupInfo",
     "WorkerGroup",
+    "WorkerLauncher",
     "WorkerStartError",
     "build_argv",
     "omp_num_threads",
@@ -379,3 +380,21 @@ class WorkerGroup:
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone
         os.killpg(pgid, sig)
+
+
+class WorkerLauncher(Protocol):
+    """How the agent makes each attempt's worker group: :class:`WorkerGroup` itself (the
+    default: processes), or a stand-in with its surface. The fleet harness
+    (``benchmarks/fleet``) runs the real agent loop with threads standing in for worker
+    processes, so that a thousand agents fit on one machine."""
+
+    def __call__(
+        self,
+        launches: Sequence[WorkerLaunch],
+        wake: Callable[[], None],
+        *,
+        console_out: TextIO | None,
+        console_err: TextIO | None,
+        warm: WarmPool | None,
+        interrupted: threading.Event | None,
+    ) -> WorkerGroup: ...

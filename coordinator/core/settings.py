@@ -17,7 +17,11 @@ last_call_timeout   30         seconds to wait for more nodes once min_nodes joi
 close_timeout       30         seconds to wait for the others when closing
 read_timeout        60         retry budget of one etcd call, failover included
 timeout             900        default timeout of blocking Store get/wait (torchrun sets it)
-lease_ttl           5          seconds a dead node keeps its key (whole number, 1-600)
+lease_ttl           5          seconds a dead node keeps its key (whole number, 1-600).
+                               Every node renews its lease every lease_ttl/3 s, all
+                               renewals on etcd's leader; by the nodes of all jobs on
+                               one etcd: 5 up to ~1,500, 10 up to ~3,000, 15 up to
+                               ~5,000; above, 30 or another etcd (docs/scale.md)
 retention           7200       seconds etcd keeps a run's keys (state, store, events)
                                after its last agent left, closed or not (at least
                                2 x lease_ttl); 0: until rdzvctl gc
@@ -172,6 +176,8 @@ class RendezvousSettings:
     close_timeout: float = 30.0
     read_timeout: float = 60.0
     store_timeout: float = 900.0
+    # Renewals: nodes x 3 / lease_ttl a second on etcd's leader, kept at or under about
+    # 1,000 (etcd issue 18069: 1,500 cost a leader 20 % CPU) by the table above.
     lease_ttl: int = 5
     retention: float = 7200.0
     events_limit: int = 5000
