@@ -19,10 +19,11 @@ import sys
 import time
 from collections.abc import Sequence
 
+from coordinator.core.actions import apply
 from coordinator.core.etcd_client import KeyValue, WatchEvent
 from coordinator.core.node_table import NodeTable
 from coordinator.core.state import NodeInfo, RdzvState, encode_node, encode_state
-from coordinator.core.transitions import Limits, apply, decide_coordinator
+from coordinator.core.transitions import Limits, decide_coordinator
 
 __all__ = ["main", "replay"]
 

@@ -25,9 +25,9 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 
+from coordinator.core.actions import Action, ActionKind
 from coordinator.core.events import Cause, Event
 from coordinator.core.state import NodeInfo, RdzvState
-from coordinator.core.transitions import Action, ActionKind
 
 __all__ = ["EventRecorder", "events_of_commit"]
 

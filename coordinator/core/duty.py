@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from coordinator.core.actions import Action
 from coordinator.core.commit_events import EventRecorder
 from coordinator.core.errors import CorruptValueError, EtcdElasticError
 from coordinator.core.etcd_client import EtcdClient, WatchEvent
@@ -52,7 +53,7 @@ from coordinator.core.node_watch import NodeWatch
 from coordinator.core.state import RdzvState
 from coordinator.core.store_rounds import highest_store_round
 from coordinator.core.threads import DeathListener, start_guarded
-from coordinator.core.transitions import Action, Limits, decide_coordinator, to_restore
+from coordinator.core.transitions import Limits, decide_coordinator, to_restore
 from coordinator.core.view import StateView
 
 __all__ = ["CoordinatorDuty", "Membership"]

@@ -15,8 +15,9 @@ binds the run's folder to it). Each write is one etcd transaction:
 * whose failure branch returns the current value, so a lost race costs no extra round
   trip.
 
-Decisions stay pure (:mod:`coordinator.core.transitions`); this module only applies them
-and retries closes. It holds no lock and keeps no state between calls.
+Decisions stay pure (:mod:`coordinator.core.transitions`, :mod:`coordinator.core.actions`);
+this module only applies them and retries closes. It holds no lock and keeps no state
+between calls.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from coordinator.core.actions import Action, apply, close
 from coordinator.core.commit_events import events_of_commit
 from coordinator.core.errors import EtcdElasticError
 from coordinator.core.etcd_client import EtcdClient, KeyValue
@@ -32,7 +34,6 @@ from coordinator.core.event_log import record_event
 from coordinator.core.keys import RunKeys
 from coordinator.core.state import CloseMode, RdzvState, decode_state, encode_state
 from coordinator.core.store_rounds import round_prefixes
-from coordinator.core.transitions import Action, apply, close
 
 __all__ = ["CloseOutcome", "Commit", "Fence", "StateExecutor", "decode_current"]
 
@@ -213,7 +214,7 @@ class StateExecutor:
     ) -> CloseOutcome:
         """Close the run: compare-and-swap until it sticks.
 
-        Each attempt applies :func:`~coordinator.core.transitions.close` to the state last
+        Each attempt applies :func:`~coordinator.core.actions.close` to the state last
         seen; a lost race returns the winner's value in the same round trip and the next
         attempt starts from it. A run whose state key is absent (nothing formed yet) gets
         a closed state, so late joiners fail at once.

@@ -13,7 +13,7 @@ none while the node's workers make progress:
 * :meth:`ProgressBoard.declare` records a :class:`Hang` in the state through the one
   writer of the state, :class:`StateExecutor`, guarded by the state's revision; a lost
   race re-decides from the winner's value, so at most one hang is recorded per round
-  (:func:`~coordinator.core.transitions.declare_hang`).
+  (:func:`~coordinator.core.actions.declare_hang`).
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ import logging
 import time
 from collections.abc import Callable
 
+from coordinator.core.actions import declare_hang
 from coordinator.core.errors import CorruptValueError, EtcdElasticError, LeaseLostError
 from coordinator.core.etcd_client import EtcdClient
 from coordinator.core.executor import StateExecutor, decode_current
 from coordinator.core.keys import RunKeys
 from coordinator.core.progress import NodeProgress, decode_progress, encode_progress
 from coordinator.core.state import Hang
-from coordinator.core.transitions import declare_hang
 from coordinator.core.view import StateView
 
 __all__ = ["ProgressBoard"]

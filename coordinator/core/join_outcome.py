@@ -1,5 +1,5 @@
 """How a join ends when it does not end in a rank: the error for each of
-:func:`~coordinator.core.transitions.decide_node`'s verdicts, with its one-line message.
+:func:`~coordinator.core.join_decision.decide_node`'s verdicts, with its one-line message.
 
 Pure: the handler's join loop asks :func:`join_error` after each decision and raises what
 it returns (leaving the run first when told to). The messages are pinned by the tests of
@@ -16,8 +16,8 @@ from coordinator.core.errors import (
     RunClosedError,
     RunEndedWhileWaitingError,
 )
+from coordinator.core.join_decision import NodeAction, is_spare
 from coordinator.core.state import RdzvState
-from coordinator.core.transitions import NodeAction, is_spare
 
 __all__ = ["JoinContext", "join_error"]
 

@@ -1,7 +1,7 @@
 """The rendezvous state and node records as plain values, and their stored form.
 
 ``RdzvState`` is what the state key holds; ``NodeInfo`` is what a node key holds. Both are
-frozen: the pure functions in :mod:`coordinator.core.transitions` return new values. The stored
+frozen: the pure functions in :mod:`coordinator.core.actions` return new values. The stored
 form is the protobuf schema in ``proto/rendezvous.proto`` written with protobuf's JSON
 mapping, so ``etcdctl get`` shows it readably. Decoding never executes anything: a value
 that is not valid JSON of our schema, or has a newer ``schema_version``, raises

@@ -1,18 +1,22 @@
-"""Pure decisions of the rendezvous: what to do, given the state, the nodes and the time.
+"""Pure decisions of the elected coordinator: what it commits, given the state, the live
+nodes and the time.
 
-Three deciders, all free of I/O and of the clock (``now`` is an argument):
+Two deciders, free of I/O and of the clock (``now`` is an argument):
 
-* :func:`decide_node` — what one node inside ``next_rendezvous()`` does next: ask for the
-  next round (JOIN), wait for an event (SYNC), return its rank (FINISH), or fail
-  (ERROR_CLOSED, ERROR_TIMEOUT). A node only ever writes its own key.
 * :func:`decide_coordinator` — what the elected coordinator commits to the state key, as a
-  list of actions applied by :func:`apply` and written in ONE revision-guarded
+  list of actions (:mod:`coordinator.core.actions`) applied by
+  :func:`~coordinator.core.actions.apply` and written in ONE revision-guarded
   transaction: ADD_TO_WAIT_LIST, ADD_TO_REDUNDANCY_LIST, REMOVE_FROM_PARTICIPANTS,
-  REMOVE_FROM_WAIT_LIST, REMOVE_FROM_REDUNDANCY_LIST, MARK_RENDEZVOUS_COMPLETE (which is
-  where ADD_TO_PARTICIPANTS happens: ranks are assigned at completion). MARK_RENDEZVOUS_CLOSED
-  is committed by whichever node closes the run (:func:`close`).
+  REMOVE_FROM_WAIT_LIST, REMOVE_FROM_REDUNDANCY_LIST, REMOVE_FROM_DRAINING,
+  REMOVE_FROM_QUARANTINE, START_INCARNATION, MARK_RENDEZVOUS_COMPLETE (which is where
+  ADD_TO_PARTICIPANTS happens: ranks are assigned at completion).
 * :func:`to_restore` — what the coordinator writes back at a state key found absent
   (deleted by hand), so the rounds go on from the last one.
+
+What a node does inside ``next_rendezvous()`` is decided apart
+(:func:`coordinator.core.join_decision.decide_node`), and so are the changes any node or
+an operator asks for (close, drain, a hang, a counted restart, a quarantine:
+:mod:`coordinator.core.actions`).
 
 Round rules (DESIGN §4): nodes ask for ``state.round + 1``. A round may form once it is
 *open*: it is the first round, or a live participant of the last round asked for it
@@ -21,45 +25,29 @@ with ``max_nodes`` joiners; with ``min_nodes`` it completes when the last call e
 at once when every live participant of the last round has joined (a restart need not
 wait out last call). Survivors keep their rank order; newcomers follow by arrival.
 
-Incarnations (a run started again with the same id): a node belongs to the incarnation it
-first asked to join (:func:`incarnation_to_join`). A closed run admits no node of its own
-incarnation; a node that arrives at a closed run asks for ``incarnation + 1`` and waits;
-once every live node key belongs to ``incarnation + 1`` (every node of the ended one has
-left) the coordinator commits START_INCARNATION: the run is open again, empty, and its
-round number goes on (no store key of an old round is ever reused). The coordinator
-counts only the nodes of the current incarnation; a node of an older one never joins a
-newer one (ERROR_SUPERSEDED).
+Incarnations (a run started again with the same id): once every live node key belongs
+to ``incarnation + 1`` (every node of the closed one has left) the coordinator commits
+START_INCARNATION: the run is open again, empty, and its round number goes on (no store
+key of an old round is ever reused). The coordinator counts only the nodes of the
+current incarnation.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from coordinator.core.quarantine import ended, new_entries, release_in
-from coordinator.core.restart_budget import counted, counts, settled
-from coordinator.core.state import CloseMode, Hang, NodeInfo, Quarantine, RdzvState
+from coordinator.core.actions import Action, ActionKind, apply
+from coordinator.core.quarantine import ended, release_in
+from coordinator.core.state import NodeInfo, RdzvState
 from coordinator.core.tally import Tally, tally_of
 from coordinator.core.worker_kinds import pack_workers
 
 __all__ = [
-    "Action",
-    "ActionKind",
     "CoordinatorDecision",
     "Limits",
-    "NodeAction",
-    "apply",
-    "close",
-    "count_restart",
     "decide_coordinator",
-    "decide_node",
-    "declare_hang",
-    "drain",
-    "incarnation_to_join",
-    "is_spare",
-    "quarantine",
     "to_restore",
     "workers_of",
 ]
@@ -72,133 +60,6 @@ class Limits:
     min_nodes: int
     max_nodes: int
     last_call_timeout: float
-
-
-class NodeAction(enum.Enum):
-    """What a node inside ``next_rendezvous()`` does next."""
-
-    #: Write this node's key asking for ``state.round + 1``.
-    JOIN = "join"
-    #: Nothing to do until the state changes or a deadline passes.
-    SYNC = "sync"
-    #: The round this node asked for completed with it: return its rank.
-    FINISH = "finish"
-    #: The run is closed: raise RendezvousClosedError.
-    ERROR_CLOSED = "error_closed"
-    #: The run finished (or was drained) while this node waited outside its round (a
-    #: spare, wait-listed): nothing failed, the node is done (torch's graceful exit).
-    EXIT_GRACEFULLY = "exit_gracefully"
-    #: join_timeout passed: raise RendezvousTimeoutError.
-    ERROR_TIMEOUT = "error_timeout"
-    #: The run was started again (or reset) after this node's incarnation: this node
-    #: belongs to an ended one and never joins another.
-    ERROR_SUPERSEDED = "error_superseded"
-
-
-def incarnation_to_join(state: RdzvState) -> int:
-    """The incarnation a node that has none yet joins: the state's while the run is open,
-    the next one once it is closed (the node then waits for every node of the ended
-    incarnation to leave)."""
-    return state.incarnation + 1 if state.closed else state.incarnation
-
-
-def is_spare(state: RdzvState, node_id: str) -> bool:
-    """Whether ``node_id`` is a listed spare of ``state`` (the redundancy list): it waits
-    for a place without a deadline, on events only."""
-    return node_id in state.redundancy_list and state.rank_of(node_id) is None
-
-
-def decide_node(
-    state: RdzvState,
-    node_id: str,
-    wanted_round: int,
-    now: float,
-    join_deadline: float,
-    incarnation: int = 0,
-) -> NodeAction:
-    """Decide the next step of a node that asked for ``wanted_round`` (0: not yet asked).
-
-    Args:
-        state: the latest state the node has seen.
-        node_id: this node.
-        wanted_round: the round in this node's key, 0 if it has not asked in this call.
-        now, join_deadline: monotonic seconds.
-        incarnation: the incarnation this node belongs to (0: none yet; it takes
-            :func:`incarnation_to_join` when it asks).
-    """
-    if node_id in state.draining and incarnation in (0, state.incarnation):
-        return NodeAction.EXIT_GRACEFULLY  # drained: it leaves and is never admitted
-    if incarnation:
-        if state.closed and incarnation == state.incarnation:
-            waited_outside = state.rank_of(node_id) is None
-            if waited_outside and state.close_mode in ("finished", "drain"):
-                return NodeAction.EXIT_GRACEFULLY
-            return NodeAction.ERROR_CLOSED
-        if incarnation != incarnation_to_join(state):
-            return NodeAction.ERROR_SUPERSEDED
-    if wanted_round and state.round == wanted_round and state.rank_of(node_id) is not None:
-        return NodeAction.FINISH
-    if now >= join_deadline and not is_spare(state, node_id):
-        # A spare (listed as redundant because the round is full) waits without a
-        # deadline, as torch's: it is what takes a lost node's place. A round that
-        # completes without it keeps it listed, and it asks for the next one.
-        return NodeAction.ERROR_TIMEOUT
-    if wanted_round <= state.round:
-        # Never asked, or the round it asked for completed without it: ask for the next.
-        return NodeAction.JOIN
-    return NodeAction.SYNC
-
-
-class ActionKind(enum.Enum):
-    """A change the coordinator (or a closing node) makes to the state."""
-
-    ADD_TO_WAIT_LIST = "add_to_wait_list"
-    ADD_TO_REDUNDANCY_LIST = "add_to_redundancy_list"
-    #: A participant's lease ended: record it in ``lost`` (it stays in the rank table of
-    #: the completed round, which is history, until the next round completes).
-    REMOVE_FROM_PARTICIPANTS = "remove_from_participants"
-    REMOVE_FROM_WAIT_LIST = "remove_from_wait_list"
-    REMOVE_FROM_REDUNDANCY_LIST = "remove_from_redundancy_list"
-    MARK_RENDEZVOUS_COMPLETE = "mark_rendezvous_complete"
-    MARK_RENDEZVOUS_CLOSED = "mark_rendezvous_closed"
-    #: Every node of the closed incarnation left and nodes ask for the next: open the run
-    #: again, empty, as ``incarnation + 1`` (the round number goes on).
-    START_INCARNATION = "start_incarnation"
-    #: An operator asks a node to leave gracefully (``rdzvctl drain``).
-    ADD_TO_DRAINING = "add_to_draining"
-    #: A draining node's key is gone: it left.
-    REMOVE_FROM_DRAINING = "remove_from_draining"
-    #: A node's workers made no progress for ``--hang-timeout``: record the hang of the
-    #: current round; every participant restarts its workers (a counted restart).
-    DECLARE_HANG = "declare_hang"
-    #: Nodes that failed the pre-flight check are left out until a time
-    #: (:mod:`coordinator.core.quarantine`).
-    ADD_TO_QUARANTINE = "add_to_quarantine"
-    #: A quarantine ended (by the coordinator's clock) or its node's key is gone.
-    REMOVE_FROM_QUARANTINE = "remove_from_quarantine"
-    #: The workers of the state's round failed (or hung): one restart of the job's
-    #: ``--max-restarts`` is used (:mod:`coordinator.core.restart_budget`).
-    COUNT_RESTART = "count_restart"
-
-
-@dataclass(frozen=True)
-class Action:
-    kind: ActionKind
-    node_ids: tuple[str, ...] = ()
-    # MARK_RENDEZVOUS_COMPLETE only:
-    redundant: tuple[str, ...] = ()
-    master_addr: str = ""
-    master_port: int = 0
-    workers: tuple[tuple[str, int], ...] = ()  # (role, local world size) by rank
-    # MARK_RENDEZVOUS_CLOSED only:
-    reason: str = ""
-    mode: CloseMode = "unspecified"
-    # DECLARE_HANG only:
-    hang: Hang | None = None
-    # ADD_TO_QUARANTINE only:
-    quarantine: tuple[Quarantine, ...] = ()
-    # COUNT_RESTART only: the round whose failure is counted.
-    restart_round: int = 0
 
 
 @dataclass(frozen=True)
@@ -390,138 +251,6 @@ def _bookkeeping(
     if redundant:
         actions.append(Action(ActionKind.ADD_TO_REDUNDANCY_LIST, redundant))
     return actions
-
-
-def _without(items: tuple[str, ...], drop: tuple[str, ...]) -> tuple[str, ...]:
-    gone = set(drop)
-    return tuple(i for i in items if i not in gone)
-
-
-def _with(items: tuple[str, ...], add: tuple[str, ...]) -> tuple[str, ...]:
-    present = set(items)
-    return items + tuple(i for i in add if i not in present)
-
-
-def apply(
-    state: RdzvState, actions: Iterable[Action], *, written_by: str = "", now_unix_ms: int = 0
-) -> RdzvState:
-    """Return the state after ``actions``; never mutates ``state``.
-
-    Args:
-        written_by: recorded in the state for operators.
-        now_unix_ms: wall-clock time recorded at completion or close (informational only,
-            and gc's measure of age).
-    """
-    for action in actions:
-        kind, ids = action.kind, action.node_ids
-        if kind is ActionKind.ADD_TO_WAIT_LIST:
-            state = replace(state, wait_list=_with(state.wait_list, ids))
-        elif kind is ActionKind.ADD_TO_REDUNDANCY_LIST:
-            state = replace(state, redundancy_list=_with(state.redundancy_list, ids))
-        elif kind is ActionKind.REMOVE_FROM_PARTICIPANTS:
-            state = replace(state, lost=_with(state.lost, ids))
-        elif kind is ActionKind.REMOVE_FROM_WAIT_LIST:
-            state = replace(state, wait_list=_without(state.wait_list, ids))
-        elif kind is ActionKind.REMOVE_FROM_REDUNDANCY_LIST:
-            state = replace(state, redundancy_list=_without(state.redundancy_list, ids))
-        elif kind is ActionKind.MARK_RENDEZVOUS_COMPLETE:
-            state = replace(
-                state,
-                round=state.round + 1,
-                participants=ids,
-                wait_list=(),
-                redundancy_list=action.redundant,
-                lost=(),
-                master_addr=action.master_addr,
-                master_port=action.master_port,
-                workers=action.workers,
-                completed_at_unix_ms=now_unix_ms,
-                # The last round's restart is given back if this round is smaller.
-                restarts=settled(state.restarts, state.round, len(state.participants), len(ids)),
-            )
-        elif kind is ActionKind.MARK_RENDEZVOUS_CLOSED:
-            state = replace(
-                state,
-                closed=True,
-                closed_reason=action.reason,
-                close_mode=action.mode,
-                closed_at_unix_ms=now_unix_ms,
-            )
-        elif kind is ActionKind.ADD_TO_DRAINING:
-            state = replace(state, draining=_with(state.draining, ids))
-        elif kind is ActionKind.REMOVE_FROM_DRAINING:
-            state = replace(state, draining=_without(state.draining, ids))
-        elif kind is ActionKind.DECLARE_HANG:
-            state = replace(state, hang=action.hang)
-        elif kind is ActionKind.ADD_TO_QUARANTINE:
-            known = {q.node_id for q in state.quarantined}
-            new = tuple(q for q in action.quarantine if q.node_id not in known)
-            state = replace(state, quarantined=state.quarantined + new)
-        elif kind is ActionKind.REMOVE_FROM_QUARANTINE:
-            gone = set(ids)
-            kept = tuple(q for q in state.quarantined if q.node_id not in gone)
-            state = replace(state, quarantined=kept)
-        elif kind is ActionKind.COUNT_RESTART:
-            state = replace(state, restarts=counted(state.restarts, action.restart_round))
-        elif kind is ActionKind.START_INCARNATION:
-            state = RdzvState(round=state.round, incarnation=state.incarnation + 1)
-    return replace(state, written_by=written_by) if written_by else state
-
-
-def close(
-    state: RdzvState, reason: str, mode: CloseMode = "finished", incarnation: int = 0
-) -> tuple[Action, ...]:
-    """The actions that close the run (none if it is closed already).
-
-    Args:
-        reason: shown to every node that finds the run closed.
-        mode: what the agents still running should do (see ``CloseMode``).
-        incarnation: close only this incarnation (0: whichever is current). A node of
-            an ended incarnation must never close the run started after it.
-    """
-    if state.closed or (incarnation and incarnation != state.incarnation):
-        return ()
-    return (Action(ActionKind.MARK_RENDEZVOUS_CLOSED, reason=reason, mode=mode),)
-
-
-def drain(state: RdzvState, node_id: str) -> tuple[Action, ...]:
-    """The actions that ask ``node_id`` to leave gracefully (none if already asked)."""
-    if node_id in state.draining:
-        return ()
-    return (Action(ActionKind.ADD_TO_DRAINING, (node_id,)),)
-
-
-def declare_hang(state: RdzvState, hang: Hang) -> tuple[Action, ...]:
-    """The actions that record ``hang`` (none if it must not be recorded).
-
-    At most one hang per round: none is recorded when the state already holds one for
-    ``hang.round`` (another node declared it first: every node then follows that one),
-    when ``hang.round`` is not the current round (it re-formed meanwhile: the hang is
-    over), or when the run is closed.
-    """
-    if state.closed or hang.round != state.round:
-        return ()
-    if state.hang is not None and state.hang.round == hang.round:
-        return ()
-    return (Action(ActionKind.DECLARE_HANG, hang=hang),)
-
-
-def count_restart(state: RdzvState, round: int, incarnation: int = 0) -> tuple[Action, ...]:
-    """The actions that count a failure of ``round`` against the job's budget: none when
-    it is counted already, is not the state's round, or the run (or ``incarnation``, when
-    given) is closed or over (:func:`coordinator.core.restart_budget.counts`)."""
-    if incarnation and incarnation != state.incarnation:
-        return ()
-    if not counts(state.restarts, round, state.round, state.closed):
-        return ()
-    return (Action(ActionKind.COUNT_RESTART, restart_round=round),)
-
-
-def quarantine(state: RdzvState, entries: Sequence[Quarantine]) -> tuple[Action, ...]:
-    """The actions that quarantine ``entries`` (none for nodes quarantined already, and
-    none in a closed run)."""
-    new = () if state.closed else new_entries(state, entries)
-    return (Action(ActionKind.ADD_TO_QUARANTINE, quarantine=new),) if new else ()
 
 
 def to_restore(last_good: RdzvState, store_floor: int) -> RdzvState | None:

@@ -164,11 +164,11 @@ def _close(client: EtcdClient, opts: Options, out: _Out) -> int:
 
 
 def _drain(client: EtcdClient, opts: Options, out: _Out) -> int:
+    from coordinator.core.actions import drain
     from coordinator.core.event_log import record_event
     from coordinator.core.events import Event
     from coordinator.core.executor import StateExecutor
     from coordinator.core.run_lease import bind_existing_run_lease
-    from coordinator.core.transitions import drain
 
     keys = _run_keys(opts)
     node = opts.node or ""

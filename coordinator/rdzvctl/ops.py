@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from coordinator.core.actions import close
 from coordinator.core.etcd_client import EtcdClient
 from coordinator.core.executor import StateExecutor
 from coordinator.core.keys import RunKeys
 from coordinator.core.run_lease import bind_existing_run_lease
-from coordinator.core.transitions import close
 from coordinator.rdzvctl.model import RunSnapshot
 
 __all__ = [

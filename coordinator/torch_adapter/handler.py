@@ -42,6 +42,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStoreInfo,
 )
 
+from coordinator.core.actions import count_restart, quarantine
 from coordinator.core.errors import (
     EtcdAuthError,
     EtcdConnectionError,
@@ -55,6 +56,7 @@ from coordinator.core.event_log import EventLog, record_event
 from coordinator.core.events import Event
 from coordinator.core.executor import StateExecutor
 from coordinator.core.hang_board import ProgressBoard
+from coordinator.core.join_decision import NodeAction, decide_node, incarnation_to_join, is_spare
 from coordinator.core.join_outcome import JoinContext, join_error
 from coordinator.core.keys import make_node_id
 from coordinator.core.listeners import Listeners
@@ -73,15 +75,7 @@ from coordinator.core.state import (
     decode_state,
 )
 from coordinator.core.threads import ThreadDied
-from coordinator.core.transitions import (
-    Limits,
-    NodeAction,
-    count_restart,
-    decide_node,
-    incarnation_to_join,
-    is_spare,
-    quarantine,
-)
+from coordinator.core.transitions import Limits
 from coordinator.core.view import StateView
 from coordinator.torch_adapter.errors import torch_errors
 from coordinator.torch_adapter.store import EtcdStore

@@ -19,12 +19,13 @@ from typing import Any
 
 import pytest
 
+from coordinator.core.actions import ActionKind
 from coordinator.core.duty import CoordinatorDuty, Membership
 from coordinator.core.etcd_client import EtcdClient, EtcdConfig, TxnResult
 from coordinator.core.executor import Fence, StateExecutor
 from coordinator.core.node_table import NodeTable
 from coordinator.core.state import RdzvState
-from coordinator.core.transitions import ActionKind, Limits, decide_coordinator
+from coordinator.core.transitions import Limits, decide_coordinator
 from coordinator.core.view import StateView
 from coordinator.etcd_server import EtcdCluster
 from tests.integration.coordinator_support import Run, run_fixture  # noqa: F401 (fixture)

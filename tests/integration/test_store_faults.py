@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 
+from coordinator.core.actions import Action, ActionKind
 from coordinator.core.etcd_client import EtcdClient, EtcdConfig, TxnResult, WatchEvent
 from coordinator.core.executor import StateExecutor
 from coordinator.core.keys import RunKeys
 from coordinator.core.state import RdzvState
 from coordinator.core.store_rounds import delete_round, ops_prefix
-from coordinator.core.transitions import Action, ActionKind
 from coordinator.etcd_server import EtcdCluster
 from coordinator.torch_adapter.store import EtcdStore
 from tests.chaos.proxy import Mode, TcpFaultProxy

@@ -9,14 +9,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
+from coordinator.core.actions import Action, ActionKind
 from coordinator.core.state import NodeInfo, RdzvState
-from coordinator.core.transitions import (
-    Action,
-    ActionKind,
-    CoordinatorDecision,
-    Limits,
-    workers_of,
-)
+from coordinator.core.transitions import CoordinatorDecision, Limits, workers_of
 
 
 def _order_joiners(state: RdzvState, joiners: Iterable[NodeInfo]) -> list[NodeInfo]:

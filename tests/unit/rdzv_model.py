@@ -18,18 +18,10 @@ from typing import TypeAlias
 
 from hypothesis import currently_in_test_context, event
 
+from coordinator.core.actions import Action, apply, close
+from coordinator.core.join_decision import NodeAction, decide_node, incarnation_to_join
 from coordinator.core.state import NodeInfo, RdzvState, decode_state, encode_state
-from coordinator.core.transitions import (
-    Action,
-    CoordinatorDecision,
-    Limits,
-    NodeAction,
-    apply,
-    close,
-    decide_coordinator,
-    decide_node,
-    incarnation_to_join,
-)
+from coordinator.core.transitions import CoordinatorDecision, Limits, decide_coordinator
 
 Fence: TypeAlias = tuple[str, int]
 """A coordinator's key as it was elected: (node id, create revision)."""

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from coordinator.core.actions import Action, ActionKind, apply
 from coordinator.core.commit_events import EventRecorder, events_of_commit
 from coordinator.core.errors import CorruptValueError
 from coordinator.core.etcd_client import KeyValue
@@ -23,7 +24,6 @@ from coordinator.core.events import (
 )
 from coordinator.core.keys import RunKeys
 from coordinator.core.state import NodeInfo, RdzvState
-from coordinator.core.transitions import Action, ActionKind, apply
 from coordinator.rdzvctl.history import event_json, event_line
 from coordinator.rdzvctl.timeline import Band, Mark, Rank, Span, prepare
 

@@ -21,6 +21,7 @@ from agent.health.hang_rules import (
     tick_seconds,
     track,
 )
+from coordinator.core.actions import Action, ActionKind, apply, declare_hang
 from coordinator.core.errors import CorruptValueError
 from coordinator.core.progress import (
     Blame,
@@ -30,7 +31,6 @@ from coordinator.core.progress import (
     who_stopped_first,
 )
 from coordinator.core.state import Hang, RdzvState, decode_state, encode_state
-from coordinator.core.transitions import Action, ActionKind, apply, declare_hang
 
 KEY = "/etcd-elastic/job42/state"
 PKEY = "/etcd-elastic/job42/progress/b-2-0"

@@ -9,18 +9,10 @@ from __future__ import annotations
 import json
 import math
 
+from coordinator.core.actions import Action, ActionKind, apply, close, quarantine
 from coordinator.core.quarantine import ended, new_entries, quarantined_ids, release_in
 from coordinator.core.state import NodeInfo, Quarantine, RdzvState, decode_state, encode_state
-from coordinator.core.transitions import (
-    Action,
-    ActionKind,
-    CoordinatorDecision,
-    Limits,
-    apply,
-    close,
-    decide_coordinator,
-    quarantine,
-)
+from coordinator.core.transitions import CoordinatorDecision, Limits, decide_coordinator
 from coordinator.rdzvctl.format import node_status, status_json, status_lines
 from coordinator.rdzvctl.watch import diff_states
 from tests.unit.rdzvctl_samples import LIVE, NOW, ROUND1, UTC, snap

@@ -26,7 +26,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from coordinator.core.transitions import Limits, NodeAction
+from coordinator.core.join_decision import NodeAction
+from coordinator.core.transitions import Limits
 from tests.unit.rdzv_model import (
     LAST_CALL,
     SLOTS,

@@ -1,5 +1,5 @@
 """The job's restart budget, its pure rules (coordinator/core/restart_budget.py) and the
-actions that carry them (transitions.count_restart, the refund in a completion): counted
+actions that carry them (actions.count_restart, the refund in a completion): counted
 once per round, judged against the budget before the round was counted, given back when
 the next round is smaller, nothing in a closed run, and a node that leaves and joins
 again cannot reset it. Then the agent's wait for a departure that would explain a
@@ -14,6 +14,7 @@ import pytest
 from agent.loop.budget import DepartureHold
 from agent.loop.policy import RestartBudget, Step, failure_with_no_restart_left, next_step
 from agent.workers.state import WorkerState
+from coordinator.core.actions import Action, ActionKind, apply, count_restart
 from coordinator.core.restart_budget import (
     RestartCount,
     counted_before,
@@ -22,7 +23,6 @@ from coordinator.core.restart_budget import (
     settled,
 )
 from coordinator.core.state import RdzvState
-from coordinator.core.transitions import Action, ActionKind, apply, count_restart
 from coordinator.rdzvctl.format import status_json, status_lines
 from coordinator.torch_adapter.surface import ForeignSurface
 from tests.unit.rdzvctl_samples import LIVE, NOW, ROUND1, UTC, snap

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from coordinator.core.actions import Action, ActionKind, apply
 from coordinator.core.errors import CorruptValueError
 from coordinator.core.restart_budget import RestartCount
 from coordinator.core.state import (
@@ -22,7 +23,7 @@ from coordinator.core.state import (
     encode_node,
     encode_state,
 )
-from coordinator.core.transitions import Action, ActionKind, apply, workers_of
+from coordinator.core.transitions import workers_of
 
 KEY = "/etcd-elastic/job42/state"
 NODE_KEY = "/etcd-elastic/job42/nodes/host-a-100-0"

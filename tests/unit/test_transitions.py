@@ -13,20 +13,10 @@ import math
 
 import pytest
 
+from coordinator.core.actions import Action, ActionKind, apply, close, drain
+from coordinator.core.join_decision import NodeAction, decide_node, incarnation_to_join
 from coordinator.core.state import NodeInfo, RdzvState
-from coordinator.core.transitions import (
-    Action,
-    ActionKind,
-    CoordinatorDecision,
-    Limits,
-    NodeAction,
-    apply,
-    close,
-    decide_coordinator,
-    decide_node,
-    drain,
-    incarnation_to_join,
-)
+from coordinator.core.transitions import CoordinatorDecision, Limits, decide_coordinator
 
 K = ActionKind
 INF = math.inf

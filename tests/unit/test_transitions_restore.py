@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from coordinator.core.actions import apply
 from coordinator.core.state import NodeInfo, RdzvState
-from coordinator.core.transitions import Limits, apply, decide_coordinator, to_restore
+from coordinator.core.transitions import Limits, decide_coordinator, to_restore
 
 LIM = Limits(min_nodes=2, max_nodes=4, last_call_timeout=10.0)
 
