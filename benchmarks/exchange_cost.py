@@ -195,7 +195,7 @@ class Fleet:
 
     def _flush_events(self) -> None:
         for handler in self.handlers:
-            log = handler._events  # the handler's background timeline writer
+            log = handler._presence.events  # the handler's background timeline writer
             if log is not None:
                 log.flush(30)
 
@@ -218,7 +218,7 @@ class Fleet:
         )
         if judged:  # what the agent that judged records (agent.observe.recording)
             record_health(handler, handler.last_round, verdict.summary())
-            log = handler._events
+            log = handler._presence.events
             if log is not None:
                 log.flush(30)
         return not verdict.failed

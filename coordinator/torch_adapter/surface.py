@@ -2,7 +2,9 @@
 surface instead of attribute probes.
 
 Our handler (:class:`coordinator.torch_adapter.handler.EtcdRendezvousHandler`) implements
-:class:`RendezvousSurface` itself; mypy checks it where :func:`surface_of` returns it. Any
+:class:`RendezvousSurface` itself (through its base,
+:class:`coordinator.torch_adapter.node.RendezvousNode`); mypy checks it where
+:func:`surface_of` returns it. Any
 other torch handler (c10d, torch's etcd) gets :class:`ForeignSurface`, which says what
 such a backend cannot do: it pushes no events, keeps no timeline, cannot quarantine or
 drain, knows no round numbers, and keeps no count of the job's restarts (the agent counts

@@ -1,0 +1,265 @@
+"""One node's presence in a run: its participation, made and re-made, and its leaving.
+
+The handler (:class:`coordinator.torch_adapter.handler.EtcdRendezvousHandler`) holds one
+:class:`RunPresence`. It makes the node's :class:`~coordinator.core.participation.Participation`
+(view, duty, key and lease) at the first join, ends it when a background thread dies or
+the run's lease is lost (the node leaves at once, so the others see it go, and the next
+join makes a new one from scratch), keeps the run's lease and the timeline writer, and
+ends them all when the node leaves. A departure is recorded in the timeline before the
+lease goes, so the others read ``left`` or ``drained``, not "lease expired".
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from coordinator.core.errors import (
+    EtcdAuthError,
+    EtcdConnectionError,
+    EtcdTLSError,
+    LeaseLostError,
+    NodeLeftError,
+)
+from coordinator.core.etcd_client import EtcdClient, backoff_delay
+from coordinator.core.event_log import EventLog, record_event
+from coordinator.core.events import Event
+from coordinator.core.keys import RunKeys
+from coordinator.core.participation import Participation
+from coordinator.core.run_lease import RunLease
+from coordinator.core.settings import RendezvousSettings
+from coordinator.core.threads import ThreadDied
+from coordinator.core.transitions import Limits
+from coordinator.core.view import StateView
+
+__all__ = ["RunPresence"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class RunPresence:
+    """The live participation of one node in one run, and what outlives it.
+
+    Args:
+        settings: the run's validated settings.
+        node_id: this node.
+        limits: min/max nodes and last call, for the duty.
+        etcd: the handler's client (made at the first call; never call it under this
+            object's lock).
+        on_change: told (on a background thread; must not block) when the state or this
+            node's lease changes, and when a participation ended.
+        incarnation: the incarnation this node belongs to, read when it departs.
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        settings: RendezvousSettings,
+        node_id: str,
+        limits: Limits,
+        *,
+        etcd: Callable[[], EtcdClient],
+        on_change: Callable[[], None],
+        incarnation: Callable[[], int],
+        clock: Callable[[], float],
+    ) -> None:
+        self._settings = settings
+        self._keys: RunKeys = settings.keys
+        self._node_id = node_id
+        self._limits = limits
+        self._etcd = etcd
+        self._on_change = on_change
+        self._incarnation = incarnation
+        self._clock = clock
+        # A leaf lock: it guards the references below and nothing else; no RPC, callback
+        # or other lock is taken while it is held (docs/architecture.md, lock order).
+        self._lock = threading.Lock()
+        self._parts: Participation | None = None
+        self._left = False
+        # Set when a background thread died: this node left and must re-join (see
+        # on_thread_death); nodes_waiting() counts it so the agent re-rendezvouses.
+        self._rejoin: str | None = None
+        self._events: EventLog | None = None
+        # Every key of the run that no node owns hangs on the run's lease (run_lease.py).
+        self._run_lease = RunLease(self._keys, settings.retention, settings.lease_ttl)
+        # The view of the last participation (kept after it ended): what is_closed() reads.
+        self._last_view: StateView | None = None
+
+    @property
+    def left(self) -> bool:
+        """Whether this node left the run (:meth:`leave`); it never joins again."""
+        return self._left
+
+    @property
+    def events(self) -> EventLog | None:
+        """The run's timeline writer, once made (:meth:`event_log`)."""
+        return self._events
+
+    def current(self) -> Participation | None:
+        """The live participation (None: not joined yet, ended by a thread death, left)."""
+        with self._lock:
+            return self._parts
+
+    def last_view(self) -> StateView | None:
+        """The view of the last participation, kept after it ended (None: never joined)."""
+        with self._lock:
+            return self._last_view
+
+    def participation(self) -> Participation:
+        """The live participation, a new one if there is none (first join, re-join)."""
+        with self._lock:
+            if self._left:
+                raise NodeLeftError(f"node {self._node_id} has left run {self._keys.run_id}")
+            if self._parts is not None:
+                return self._parts
+        # Start outside the lock (watch, read: RPCs); the first to publish wins.
+        parts = Participation(
+            self._etcd(), self._keys, self._node_id, self._settings.lease_ttl, self._limits,
+            on_change=self._on_change, on_death=self.on_thread_death, clock=self._clock,
+            events=self.event_log(),
+        )  # fmt: skip
+        try:
+            self._run_lease.start(self._etcd(), self._on_run_lease_lost)
+            parts.view.start()
+        except BaseException:
+            parts.close()  # its duty never started and it holds no lease: nothing leaks
+            raise
+        with self._lock:
+            won = self._parts is None and not self._left
+            if won:
+                self._parts, self._rejoin, self._last_view = parts, None, parts.view
+        if not won:
+            parts.close()
+            return self.participation()  # raises NodeLeftError, or returns the winner's
+        parts.duty.start()
+        return parts
+
+    def join_participation(self, deadline: float) -> Participation:
+        """The live participation (a new one on the first join and after a thread death),
+        tried again until ``deadline`` once this node has taken part: etcd may be away
+        when a re-join starts (an outage overlapping a restart), and the fault that killed
+        one watch thread may kill the next one's first watch too; a node must not give up
+        its join for either. A node that never reached etcd gives up after read_timeout,
+        naming the endpoints: that is most likely a wrong endpoint (DESIGN §6)."""
+        with self._lock:
+            reached = self._last_view is not None
+        if not reached:
+            return self.participation()
+        return self.until(deadline, "joining", self.participation)
+
+    def until(self, deadline: float, doing: str, call: Callable[[], T]) -> T:
+        """``call()``, tried again after an etcd connection error until ``deadline`` (the
+        join's): each try is bounded by read_timeout, the join by join_timeout."""
+        failures = 0
+        while True:
+            try:
+                return call()
+            except (EtcdAuthError, EtcdTLSError):
+                raise  # a wrong credential does not heal by waiting
+            except EtcdConnectionError as exc:
+                left = deadline - self._clock()
+                if left <= 0:
+                    raise
+                delay = min(left, backoff_delay(failures, secrets.randbelow(1000) / 1000))
+                log.warning(
+                    "node %s: %s run %s failed (%s); trying again in %.1f s",
+                    self._node_id, doing, self._keys.run_id, exc, delay,
+                )  # fmt: skip
+                failures += 1
+                time.sleep(delay)
+
+    def session_lost(self) -> bool:
+        """Whether the live participation's lease was lost.
+
+        Called under the view's condition (``wait_newer``'s predicate): takes only the
+        leaf lock, never the view's."""
+        parts = self.current()
+        return parts is not None and parts.member.lost()
+
+    def nodes_waiting(self) -> int:
+        """What this node adds to ``num_nodes_waiting()``: the nodes waiting in its watched
+        state, plus one if its own lease was lost or it left to re-join."""
+        with self._lock:
+            parts, rejoin = self._parts, self._rejoin
+        if parts is None:
+            return 1 if rejoin is not None else 0
+        return parts.view.peek().num_waiting + (1 if parts.member.lost() else 0)
+
+    def event_log(self) -> EventLog:
+        """The run's timeline, written in the background (made at the first use)."""
+        client = self._etcd()
+        with self._lock:
+            if self._events is None:
+                self._events = EventLog(
+                    client, self._keys, written_by=self._node_id, limit=self._settings.events_limit
+                )
+            return self._events
+
+    def on_thread_death(self, died: ThreadDied) -> None:
+        """A background thread of this node died (already logged with its traceback):
+        leave the run (the others see this node go at once) and re-join from scratch on
+        the next rendezvous. Runs on the dying thread, so the teardown (RPCs) runs on a
+        thread of its own."""
+        with self._lock:
+            parts, self._parts = self._parts, None
+            if self._left or parts is None:
+                return
+            self._rejoin = str(died)
+        log.error("node %s leaves run %s to re-join: %s", self._node_id, self._keys.run_id, died)
+
+        def teardown() -> None:
+            self._say_departing(parts)
+            parts.close()
+            self._on_change()
+
+        threading.Thread(target=teardown, name="rdzv-rejoin", daemon=True).start()
+
+    def _on_run_lease_lost(self, error: LeaseLostError) -> None:
+        # The run's keys are gone with its lease: leave and join again from scratch.
+        self.on_thread_death(ThreadDied(f"etcd-keepalive-{self._run_lease.id:x}", error))
+
+    def leave(self) -> bool:
+        """End the participation (revoking its lease), the timeline writer and the run's
+        lease. Idempotent; returns whether this call left (False: left already)."""
+        with self._lock:
+            if self._left:
+                return False
+            self._left = True
+            parts, self._parts = self._parts, None
+            events = self._events
+        if events is not None:
+            events.close()
+        if parts is not None:
+            self._say_departing(parts)
+            parts.close()
+        self._run_lease.stop()
+        return True
+
+    def _say_departing(self, parts: Participation) -> None:
+        """Record this node's departure before its lease goes (``left``, or ``drained``
+        when an operator asked): the coordinator, seeing the key go, then records nothing
+        more (the same event id, first write wins) instead of "lease expired"."""
+        me = parts.member.current()
+        if me is None or parts.member.lost():
+            return  # no key, or the lease ended already: that is what the others see
+        state = parts.view.peek()
+        drained = self._node_id in state.draining
+        record_event(
+            self._etcd(),
+            self._keys,
+            Event(
+                "departed",
+                node_id=self._node_id,
+                cause="drained" if drained else "left",
+                round=state.round,
+                incarnation=self._incarnation(),
+                generation=me.create_revision,
+            ),
+            written_by=self._node_id,
+        )
