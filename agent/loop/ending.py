@@ -1,7 +1,7 @@
 """How a node ends its part in a run: the exit barrier, closing the run, leaving it.
 
-Kept apart from the loop in :mod:`agent.loop.agent`; each function takes the handler or store
-it acts on and a context string for its log lines (run, node, attempt).
+The pieces each ending of :mod:`agent.loop.exits` is made of; each function takes the
+handler or store it acts on and a context string for its log lines (run, node, attempt).
 """
 
 from __future__ import annotations

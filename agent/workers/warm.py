@@ -24,8 +24,6 @@ in a session of their own, so they die with the agent and are stopped as workers
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import socket
 import subprocess
@@ -51,7 +49,6 @@ log = logging.getLogger(__name__)
 
 _PROGRAM = str(Path(__file__).with_name("warm_process.py"))
 
-_HANDOVER_TIMEOUT = 5.0  # seconds for a ready process to confirm it took the request
 # How long a worker waits for its warm interpreter that is still importing. It started
 # before this worker was asked for, so it is ahead of any cold start on the same cores;
 # a cold start is the fallback only after this, or when the caller is interrupted.
@@ -133,15 +130,8 @@ class WarmPool:
             target = warm_target(argv)
             if target is None:
                 continue
-            with self._lock:
-                if self._closed:
-                    return
-                self._templates[local_rank] = (target, dict(env))
-                slot = self._slots.setdefault(local_rank, [])
-                stale = [w for w in slot if not fits(w, target, env)]
-                slot[:] = [w for w in slot if w not in stale]
-            for warm in stale:
-                warm.discard()
+            if not self._retarget(local_rank, target, env):
+                return  # closed
             if at_once:
                 self._fill(local_rank)
             elif defer > 0 and self.ready_count(local_rank) > 0:
@@ -152,6 +142,20 @@ class WarmPool:
             timer = threading.Timer(defer, self._top_up_all, args=(later,))
             timer.daemon = True
             timer.start()
+
+    def _retarget(self, local_rank: int, target: WarmTarget, env: Mapping[str, str]) -> bool:
+        """Make ``target``/``env`` the template of ``local_rank``, discarding its
+        processes that no longer fit; False once the pool is closed."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._templates[local_rank] = (target, dict(env))
+            slot = self._slots.setdefault(local_rank, [])
+            stale = [w for w in slot if not fits(w, target, env)]
+            slot[:] = [w for w in slot if w not in stale]
+        for warm in stale:
+            warm.discard()
+        return True
 
     def _top_up_all(self, local_ranks: Sequence[int]) -> None:
         for local_rank in local_ranks:
@@ -180,6 +184,21 @@ class WarmPool:
                 self._start(local_rank, target.python, env)
 
     def _start(self, local_rank: int, python: str, env: dict[str, str]) -> None:
+        """Start a process for ``local_rank`` and a thread that waits for its import."""
+        warm = self._spawn(python, env)
+        if warm is None:
+            return
+        with self._lock:
+            if self._closed:
+                warm.discard()
+                return
+            self._slots.setdefault(local_rank, []).append(warm)
+        threading.Thread(
+            target=self._await, args=(local_rank, warm), name=f"warm start {local_rank}",
+            daemon=True,
+        ).start()  # fmt: skip
+
+    def _spawn(self, python: str, env: dict[str, str]) -> WarmInterpreter | None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             spawned = spawn(
@@ -194,19 +213,10 @@ class WarmPool:
         except OSError as exc:
             mine.close()
             log.warning("warm start: cannot start a warm interpreter (%s); starting cold", exc)
-            return
+            return None
         finally:
             theirs.close()
-        warm = WarmInterpreter(spawned, mine, python, env)
-        with self._lock:
-            if self._closed:
-                warm.discard()
-                return
-            self._slots.setdefault(local_rank, []).append(warm)
-        threading.Thread(
-            target=self._await, args=(local_rank, warm), name=f"warm start {local_rank}",
-            daemon=True,
-        ).start()  # fmt: skip
+        return WarmInterpreter(spawned, mine, python, env)
 
     def wait_ready(
         self, timeout: float, interrupted: threading.Event | None = None, *, every: int = 1
@@ -238,16 +248,9 @@ class WarmPool:
             self._changed.notify_all()
 
     def _await(self, local_rank: int, warm: WarmInterpreter) -> None:
-        def overdue() -> None:
-            log.warning(
-                "warm start: local rank %d: a warm interpreter's import used no CPU for "
-                "%.0f s; starting another beside it, and no worker start waits for it",
-                local_rank, self._bounds.overdue_idle_s,
-            )  # fmt: skip
-            self.poke()  # a start waiting for it stops waiting
-            self._top_up(local_rank)
-
-        warm.wait_ready(self._bounds, overdue)
+        """Wait for ``warm``'s import (on its own thread), then start the next one, or
+        another after a death, or turn warm starts off."""
+        warm.wait_ready(self._bounds, lambda: self._overdue(local_rank))
         self.poke()
         if warm.failed is None:
             with self._lock:
@@ -257,6 +260,20 @@ class WarmPool:
         if not warm.reported and self._died_again(local_rank, warm):
             self._top_up(local_rank)  # killed from outside (OOM killer, ...), or stuck
             return
+        self._turn_off(warm)
+
+    def _overdue(self, local_rank: int) -> None:
+        log.warning(
+            "warm start: local rank %d: a warm interpreter's import used no CPU for "
+            "%.0f s; starting another beside it, and no worker start waits for it",
+            local_rank, self._bounds.overdue_idle_s,
+        )  # fmt: skip
+        self.poke()  # a start waiting for it stops waiting
+        self._top_up(local_rank)
+
+    def _turn_off(self, warm: WarmInterpreter) -> None:
+        """``warm`` failed as the next one would (it said why, or died too often): warm
+        starts are off for this agent, and every process is discarded."""
         with self._lock:
             first = self._disabled_why is None
             self._disabled_why = warm.failed
@@ -307,6 +324,29 @@ class WarmPool:
         target = warm_target(argv)
         if target is None:
             return None
+        warm = self._claim(local_rank, target, env, interrupted)
+        if warm is None:
+            return None
+        refused = warm.hand_over(target, argv, env, cwd, streams)
+        if refused is not None:
+            log.warning(
+                "warm start: local rank %d: the warm interpreter did not take the worker "
+                "(%s); starting it cold", local_rank, refused,
+            )  # fmt: skip
+            warm.discard()
+            return None
+        return Spawned(warm.spawned.process, tuple(argv))
+
+    def _claim(
+        self,
+        local_rank: int,
+        target: WarmTarget,
+        env: Mapping[str, str],
+        interrupted: threading.Event | None,
+    ) -> WarmInterpreter | None:
+        """Take a ready process of ``local_rank`` that fits out of the pool; when every
+        fitting one is still importing, the first to be ready, waiting up to
+        ``_READY_WAIT`` or until ``interrupted`` is set. None: there is none."""
         with self._changed:
 
             def ready() -> WarmInterpreter | None:
@@ -333,33 +373,7 @@ class WarmPool:
             if warm is None:
                 return None
             self._slots[local_rank].remove(warm)
-        request = {
-            "mode": target.mode,
-            "target": target.target,
-            "args": list(target.args),
-            "env": dict(env),
-            "cwd": cwd,
-            "argv": list(argv),
-        }
-        try:
-            socket.send_fds(warm.sock, [json.dumps(request).encode()], list(streams))
-            warm.sock.settimeout(_HANDOVER_TIMEOUT)
-            answer = warm.sock.recv(64)
-        except OSError as exc:
-            answer = f"error {exc}".encode()
-        finally:
-            with contextlib.suppress(OSError):
-                warm.sock.close()
-        if answer != b"started":
-            log.warning(
-                "warm start: local rank %d: the warm interpreter did not take the worker "
-                "(%s); starting it cold",
-                local_rank,
-                answer.decode(errors="replace") or "it exited",
-            )
-            warm.discard()
-            return None
-        return Spawned(warm.spawned.process, tuple(argv))
+            return warm
 
     def close(self) -> None:
         """Stop every unused warm process. Idempotent."""

@@ -1,10 +1,12 @@
 """One warm interpreter (:mod:`agent.workers.warm`'s pool keeps them): which commands and
-environments it may take, how it says it is ready, and when its import counts as stuck.
+environments it may take, how it says it is ready, when its import counts as stuck, and
+how a worker is handed over to it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -39,6 +41,7 @@ LATE_KEYS = frozenset(
         "ETCD_ELASTIC_ROUND",
     }
 )  # fmt: skip
+_HANDOVER_TIMEOUT = 5.0  # seconds for a ready process to confirm it took the request
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,34 @@ class WarmInterpreter:
             if now - self.started >= bounds.kill_s:
                 self.failed = f"it did not finish importing within {bounds.kill_s:.0f} s"
                 return None
+
+    def hand_over(
+        self, target: WarmTarget, argv: Sequence[str], env: Mapping[str, str], cwd: str,
+        streams: tuple[int, int, int],
+    ) -> str | None:  # fmt: skip
+        """Ask the process to become the worker ``argv`` (``target``) with ``env`` in
+        ``cwd`` on ``streams`` (descriptors the caller still closes). None once it
+        confirmed; else why not (then it is of no use: discard it)."""
+        request = {
+            "mode": target.mode,
+            "target": target.target,
+            "args": list(target.args),
+            "env": dict(env),
+            "cwd": cwd,
+            "argv": list(argv),
+        }
+        try:
+            socket.send_fds(self.sock, [json.dumps(request).encode()], list(streams))
+            self.sock.settimeout(_HANDOVER_TIMEOUT)
+            answer = self.sock.recv(64)
+        except OSError as exc:
+            answer = f"error {exc}".encode()
+        finally:
+            with contextlib.suppress(OSError):
+                self.sock.close()
+        if answer == b"started":
+            return None
+        return answer.decode(errors="replace") or "it exited"
 
     def discard(self) -> None:
         """Stop and reap an unused process."""

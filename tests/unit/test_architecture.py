@@ -50,12 +50,6 @@ WINGS = ("workers", "health", "observe", "loop", "cli")
 SHARED = ("agent.config", "agent.store", "agent.errors")
 # Small modules, one concept each (STYLE.md): no product module over this many lines.
 MAX_LINES = 400
-# Modules still over MAX_LINES while their split is under way (issue 19), each with its
-# size when this list was written as its ceiling, so it may only shrink. The lead removes
-# an entry once its module is split; then the list goes.
-OVER_THE_LIMIT: dict[str, int] = {
-    "agent/loop/agent.py": 548,
-}
 
 
 def _module_name(path: Path) -> str:
@@ -146,19 +140,13 @@ def _stdlib_only(path: Path, module: str) -> list[str]:
 
 
 def _too_long(files: list[Path], root: Path) -> list[str]:
-    """Each module longer than it may be, with its length; each allow-listed module that
-    is no longer over the limit (its entry must go)."""
+    """Each module longer than it may be, with its length."""
     found = []
     for path in files:
-        name = path.relative_to(root).as_posix()
         lines = len(path.read_text().splitlines())
-        ceiling = OVER_THE_LIMIT.get(name)
-        if ceiling is None and lines > MAX_LINES:
+        if lines > MAX_LINES:
+            name = path.relative_to(root).as_posix()
             found.append(f"{name}: {lines} lines, over {MAX_LINES}: split it by concern")
-        elif ceiling is not None and lines > ceiling:
-            found.append(f"{name}: {lines} lines, over {ceiling} (its allowance until split)")
-        elif ceiling is not None and lines <= MAX_LINES:
-            found.append(f"{name}: {lines} lines now: remove it from OVER_THE_LIMIT")
     return found
 
 
@@ -219,21 +207,12 @@ def test_no_module_is_over_the_line_limit() -> None:
 
 
 def test_the_checker_counts_lines(tmp_path: Path) -> None:
-    (tmp_path / "agent" / "loop").mkdir(parents=True)
     (tmp_path / "coordinator").mkdir()
     fits, long = tmp_path / "coordinator" / "fits.py", tmp_path / "coordinator" / "long.py"
     fits.write_text("x = 1\n" * MAX_LINES)
     long.write_text("x = 1\n" * (MAX_LINES + 1))
-    agent = tmp_path / "agent" / "loop" / "agent.py"  # allow-listed
-    agent.write_text("x = 1\n" * (OVER_THE_LIMIT["agent/loop/agent.py"] + 1))
-    assert _too_long([fits, long, agent], tmp_path) == [
-        f"coordinator/long.py: {MAX_LINES + 1} lines, over {MAX_LINES}: split it by concern",
-        f"agent/loop/agent.py: {OVER_THE_LIMIT['agent/loop/agent.py'] + 1} lines, over "
-        f"{OVER_THE_LIMIT['agent/loop/agent.py']} (its allowance until split)",
-    ]
-    agent.write_text("x = 1\n" * 10)
-    assert _too_long([agent], tmp_path) == [
-        "agent/loop/agent.py: 10 lines now: remove it from OVER_THE_LIMIT"
+    assert _too_long([fits, long], tmp_path) == [
+        f"coordinator/long.py: {MAX_LINES + 1} lines, over {MAX_LINES}: split it by concern"
     ]
 
 

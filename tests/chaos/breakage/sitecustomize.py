@@ -50,7 +50,7 @@ def _blind_waits() -> None:
 
     nothing: Any = lambda *_: None  # noqa: E731
     setattr(importlib.import_module("agent.loop.rounds"), "store_aborter", nothing)  # noqa: B010
-    setattr(importlib.import_module("agent.loop.agent"), "formation_changed", nothing)  # noqa: B010
+    setattr(importlib.import_module("agent.loop.formation"), "formation_changed", nothing)  # noqa: B010
 
 
 def _no_fencing() -> None:
