@@ -299,7 +299,9 @@ class RendezvousNode:
                 return False
             alive, _ = client.count_prefix(self._keys.nodes_prefix)
         except EtcdElasticError as exc:
-            log.info("node %s: could not tell whether run %s waits for nodes: %s",
+            # The join that follows meets the same error and reports it, once (a TLS
+            # mismatch or a refused password is one line, not two).
+            log.debug("node %s: could not tell whether run %s waits for nodes: %s",
                      self.node_id, self._keys.run_id, exc)  # fmt: skip
             return False
         return alive < self._limits.min_nodes

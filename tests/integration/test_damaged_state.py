@@ -215,6 +215,7 @@ def test_a_coordinator_that_never_saw_the_state_continues_from_the_store(
         a.put(6)
         b.put(6)
         wait_until(lambda: (run.state()[0] or RdzvState()).round == 6, 30, "round 6")
+        wait_until(lambda: 6 in rounds, 30, "the watch to deliver round 6")
     finally:
         duty.stop()
         watch.cancel()

@@ -72,7 +72,9 @@ def test_formation_counts_a_lease_and_a_key_per_agent(result: dict[str, Any]) ->
     for phase in result["phases"]:
         if phase["phase"].startswith("formation"):
             etcd = phase["etcd"]
-            assert etcd["lease_grants"] == N
+            # each agent's lease, and the run's (granted once, by the node that creates
+            # the run's state: its store and events expire with it after the retention)
+            assert etcd["lease_grants"] == N + 1
             assert etcd["writes"] >= 2 * N  # each agent's lease and node key, at least
             assert etcd["watch_events"] > 0
             assert etcd["bytes_put"] > 0
@@ -103,7 +105,9 @@ def test_losses_are_etcds_expiries(result: dict[str, Any]) -> None:
     assert half["etcd"]["lease_expired"] >= half["times"]["killed"] > 0
     assert "trained_after_last_expiry_s" in half["times"]
     lost = _phase(result, "job-lost")
-    assert lost["etcd"]["lease_expired"] == N
+    # every agent's lease; the run's (TTL 2·lease_ttl here) expires too when it falls
+    # inside the window, which ends when the last agent's did
+    assert N <= lost["etcd"]["lease_expired"] <= N + 1
     assert lost["etcd"]["writes"] >= N  # each expiry is a revoke through raft
 
 

@@ -16,14 +16,16 @@ from tests.rdzv_helpers import Joins, make_handler, wait_until
 
 pytestmark = pytest.mark.integration
 
-QUARANTINE_S = 6.0
+# Long enough that c waits out its join_timeout (5 s) more than once while quarantined,
+# and that its join after the release has those 5 s even on a loaded machine.
+QUARANTINE_S = 12.0
 
 
 def test_a_quarantined_node_is_left_out_then_rejoins_when_its_time_is_up(
     etcd1: EtcdCluster, run_id: str, handlers: list[EtcdRendezvousHandler],
     capsys: pytest.CaptureFixture[str],
 ) -> None:  # fmt: skip
-    handlers += [make_handler(etcd1, run_id, 2, 3, join_timeout=2) for _ in range(3)]
+    handlers += [make_handler(etcd1, run_id, 2, 3, join_timeout=5) for _ in range(3)]
     first = Joins(handlers).start().infos(30)
     by_rank = sorted(range(3), key=lambda i: first[i].rank)
     a, b, c = (handlers[i] for i in by_rank)
@@ -42,7 +44,7 @@ def test_a_quarantined_node_is_left_out_then_rejoins_when_its_time_is_up(
     wait_until(lambda: 0 in again.outcomes and 1 in again.outcomes, 30, "a and b to re-form")
     assert time.monotonic() - started < QUARANTINE_S - 1
     assert [again.outcomes[i].info.world_size for i in (0, 1)] == [2, 2]  # type: ignore[union-attr]
-    # c waits past its join_timeout (2 s) without failing, until its quarantine ends;
+    # c waits past its join_timeout (5 s) without failing, until its quarantine ends;
     # then it asks to join and the others are told (it is on the wait list).
     wait_until(lambda: a.num_nodes_waiting() > 0, QUARANTINE_S + 20, "c to be released")
     assert time.monotonic() - started >= QUARANTINE_S - 1.5
