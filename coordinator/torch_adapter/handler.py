@@ -61,14 +61,9 @@ class EtcdRendezvousHandler(RendezvousNode, RendezvousHandler):
     :class:`~coordinator.torch_adapter.join.Join`.
 
     Args:
-        settings: validated settings.
-        client: an etcd client to share (the caller keeps ownership); by default the handler
-            makes and closes its own.
-        backend_name: what :meth:`get_backend` reports.
-        local_world_size, role: recorded in this node's key for operators.
-        clock: monotonic seconds (tests pass a fake).
-        etcd_observer: hears of every etcd call the handler's own client makes (the
-            agent's metrics); ignored with a shared ``client``, which has its own.
+        backend_name: what :meth:`get_backend` reports; the others are
+            :class:`~coordinator.torch_adapter.node.RendezvousNode`'s (optional here, as
+            torch's callers give only the settings).
     """
 
     def __init__(
