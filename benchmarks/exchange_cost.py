@@ -1,16 +1,18 @@
 """What one round costs etcd, phase by phase: formation, rank exchange, master address,
 pre-flight exchange, exit barrier (DESIGN §10: O(N) in all, O(1) per node).
 
-``python -m benchmarks.exchange_cost --nodes 4 16 64 [--rounds 2] [--json]``
+``python -m benchmarks.exchange_cost --nodes 4 16 64 [--rounds 2] [--json] [--store-exchange]``
 
 Starts one etcd, then for each N runs N simulated nodes:
 threads of this process, each with its own handler of ours, lease and node key (one
 etcd client per 16 nodes, as a few processes would share a connection). Every feature
 that writes during a formation is on: the run's timeline, the pre-flight check's
-exchange (the check itself is not run: each node publishes a made-up passing result, the
-exchange is what costs etcd) and the judge's timeline event. Each round is formed, then
-its phases run one after the other on every node at once, and each phase is counted on
-its own:
+exchange (the check itself is not run: each node publishes a made-up passing result) and
+the judge's timeline event. The exchange runs as the agents run it, through the bootstrap
+TCPStore rank 0 hosts for the round (``--store-exchange``: through the round's etcd store,
+as where torch's c10d handler hosts the workers' store, and as before issue 20). Each
+round is formed, then its phases run one after the other on every node at once, and each
+phase is counted on its own:
 
 * ``server``: etcd's own counters (:func:`benchmarks.etcd_counts.server_counts`): gRPC
   requests by method (``grpc:Range``, ``grpc:Put``, ``grpc:Txn``, ``grpc:Watch`` =
@@ -39,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from agent.config import LaunchConfig
-from agent.health.exchange import exchange_results
+from agent.health.exchange import exchange_on_bootstrap, exchange_results
 from agent.health.verdict import NodeResult, Thresholds
 from agent.loop.ending import exit_barrier
 from agent.loop.launches import resolve_master
@@ -97,8 +99,16 @@ class Fleet:
         n: nodes (min = max = n, so each round completes as soon as every node joined).
     """
 
-    def __init__(self, endpoints: Sequence[str], metrics: Callable[[], str], n: int) -> None:
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        metrics: Callable[[], str],
+        n: int,
+        *,
+        store_exchange: bool = False,
+    ) -> None:
         self.n = n
+        self.store_exchange = store_exchange
         self.counter = RequestCounter()
         self._metrics = metrics
         config = EtcdConfig(endpoints=tuple(endpoints))
@@ -125,6 +135,7 @@ class Fleet:
         self.infos: list[Any] = [None] * n  # RendezvousInfo by group rank
         self.by_rank: list[EtcdRendezvousHandler] = []
         self.servers: dict[int, BootstrapHost] = {}  # rank 0's bootstrap store, up for the round
+        self.masters: list[tuple[str, int]] = [("", 0)] * n  # where each node was told it is
 
     def close(self) -> None:
         for handler in self.handlers:
@@ -208,14 +219,21 @@ class Fleet:
                               entrypoint="x", local_addr="127.0.0.1")  # fmt: skip
         host = self.servers.setdefault(i, BootstrapHost())
         got = resolve_master(config, self.infos[i], self.infos[i].store, i, host.next_formation())
+        self.masters[i] = (got.addr, got.port)
         return got.addr, got.port
 
     def preflight(self, i: int) -> bool:
         handler = self.by_rank[i]
         mine = NodeResult(i, handler.node_id, "127.0.0.1", devices="cpu", matmul_s=0.01)
-        verdict, judged = exchange_results(
-            self.infos[i].store, mine, self.n, handler.last_members, Thresholds(), 60.0
-        )
+        if self.store_exchange:
+            verdict, judged = exchange_results(
+                self.infos[i].store, mine, self.n, handler.last_members, Thresholds(), 60.0
+            )
+        else:
+            verdict, judged = exchange_on_bootstrap(
+                self.masters[i], handler.last_round, mine, self.n, handler.last_members,
+                Thresholds(), 60.0,
+            )  # fmt: skip
         if judged:  # what the agent that judged records (agent.observe.recording)
             record_health(handler, handler.last_round, verdict.summary())
             log = handler._presence.events
@@ -253,11 +271,16 @@ def run_round(fleet: Fleet) -> dict[str, PhaseCost]:
 
 
 def measure(
-    endpoints: Sequence[str], metrics: Callable[[], str], n: int, rounds: int
+    endpoints: Sequence[str],
+    metrics: Callable[[], str],
+    n: int,
+    rounds: int,
+    *,
+    store_exchange: bool = False,
 ) -> dict[str, Any]:
     """Each phase's cost for ``rounds`` rounds of ``n`` nodes (see the module docstring)."""
-    fleet = Fleet(endpoints, metrics, n)
-    out: dict[str, Any] = {"nodes": n, "rounds": []}
+    fleet = Fleet(endpoints, metrics, n, store_exchange=store_exchange)
+    out: dict[str, Any] = {"nodes": n, "store_exchange": store_exchange, "rounds": []}
     try:
         for _ in range(rounds):
             costs = run_round(fleet)
@@ -280,11 +303,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, nargs="+", default=[4, 16, 64])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", action="store_true", help="JSON only")
+    parser.add_argument(
+        "--store-exchange", action="store_true",
+        help="the pre-flight exchange through the round's etcd store, not the bootstrap store",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     results = []
     with EtcdCluster(1, binary=benchmark_etcd_binary(), no_fsync=True, stop_grace=1.0) as cluster:
         for n in args.nodes:
-            results.append(measure(cluster.endpoints, cluster.members[0].metrics, n, args.rounds))
+            results.append(
+                measure(
+                    cluster.endpoints,
+                    cluster.members[0].metrics,
+                    n,
+                    args.rounds,
+                    store_exchange=args.store_exchange,
+                )
+            )
             if not args.json:
                 print(_table(results[-1]), file=sys.stderr)
     print(json.dumps(results, indent=1))

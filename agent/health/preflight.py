@@ -5,7 +5,9 @@ every node runs its check (:mod:`agent.health.check_worker`, a subprocess starte
 so that torch is imported by the time the round forms) and exchanges its result
 (:mod:`agent.health.exchange`, bounded by ``--health-check-timeout`` and by membership,
 as the rank exchange is): group rank 0 gathers the results, judges them with
-:func:`agent.health.verdict.judge` and publishes the verdict, which every node reads.
+:func:`agent.health.verdict.judge` and publishes the verdict, which every node reads;
+through the workers' bootstrap store where group rank 0's agent hosts it (no etcd
+write), else through the round's store.
 Group rank 0 logs one line per node; the others log their own and each failed node's.
 When a node failed, group rank 0 quarantines it in the rendezvous state for
 ``--quarantine-seconds`` (:mod:`coordinator.core.quarantine`; one write) and every node
@@ -28,8 +30,15 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from torch.distributed import DistStoreError
+
 from agent.errors import MembershipChanged
-from agent.health.exchange import exchange_results
+from agent.health.exchange import (
+    CONNECT_TIMEOUT_S,
+    exchange_on_bootstrap,
+    exchange_results,
+    round_prefix,
+)
 from agent.health.verdict import NodeResult, Thresholds, Verdict, decode_result
 from agent.store import Store
 from agent.workers.group import without_secrets
@@ -198,6 +207,8 @@ class Preflight:
         """Seconds from the start of that check to its verdict on this node."""
         self.last_import_wait_s = 0.0
         """Of those, how long this node's check process was still importing torch."""
+        self.connect_s = CONNECT_TIMEOUT_S
+        """How long this node tries to reach the bootstrap store for the exchange."""
 
     @property
     def _exchange_s(self) -> float:
@@ -234,6 +245,7 @@ class Preflight:
         members: Sequence[str],
         master: tuple[str, int] | None,
         on_abandon: Callable[[Callable[[], None]], None],
+        exchange_at: tuple[str, int] | None = None,
     ) -> Verdict:
         """Run this node's check, exchange results, judge; quarantine the failed nodes.
 
@@ -245,9 +257,14 @@ class Preflight:
             master: the workers' bootstrap store (its TCPStore carries the pair groups);
                 None: no pairs are measured.
             on_abandon: told how to end the check at once (a membership change).
+            exchange_at: the bootstrap store to exchange the results through (one that
+                group rank 0's agent hosts for this round only): no etcd write; None:
+                through ``store``.
 
         Raises:
             HealthCheckFailed: a node failed; the round re-forms without it.
+            DistStoreError: the exchange failed, or the check was abandoned meanwhile.
+            BootstrapStoreError: ``exchange_at`` cannot be reached.
         """
         started = time.monotonic()
         world = max(world_size, 1)
@@ -255,21 +272,33 @@ class Preflight:
             members = ()
         proc = self._take()
         on_abandon(proc.kill)
+        # A wait on the bootstrap store cannot be aborted: one that ends after the abandon
+        # must not log or quarantine for a round the loop left.
+        abandoned = threading.Event()
+        on_abandon(abandoned.set)
         params = {
             "rank": group_rank, "world_size": world, "node_id": self._node_id, "addr": self._addr,
             "size": 256, "repeats": 8, "numel": 1 << 16,
             "pairs": master is not None and world > 1,
             "store_addr": master[0] if master else "", "store_port": master[1] if master else 0,
-            "prefix": f"etcd_elastic/health/{round_id}/",
+            "prefix": round_prefix(round_id),
             "pair_timeout_s": max(1.0, self.timeout / 4),
         }  # fmt: skip
         data, why = proc.run(params, self.timeout)
         self.last_import_wait_s = proc.import_wait_s
         mine = _result(data, why, group_rank, self._node_id, self._addr)
         self.prepare()  # the next round's process imports while this round goes on
-        verdict, judged = exchange_results(
-            store, mine, world, members, self._thresholds, self._exchange_s
-        )
+        if exchange_at is None:
+            verdict, judged = exchange_results(
+                store, mine, world, members, self._thresholds, self._exchange_s
+            )
+        else:
+            verdict, judged = exchange_on_bootstrap(
+                exchange_at, round_id, mine, world, members, self._thresholds,
+                self._exchange_s, self.connect_s,
+            )  # fmt: skip
+        if abandoned.is_set():
+            raise DistStoreError("the membership changed: this node no longer waits on this round")
         self.last, self.last_took_s = verdict, time.monotonic() - started
         self.last_judged = judged
         for node in verdict.nodes:

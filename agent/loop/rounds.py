@@ -140,7 +140,7 @@ def form_round(
         text = " ".join(str(exc).split())
         raise RankExchangeError(f"round formed, but the rank exchange failed: {text}") from exc
     if preflight is not None:
-        _check(rdzv, phase, preflight, info, store, master)
+        _check(rdzv, phase, preflight, info, store, master, bool(handler.use_agent_store))
     return Formed(info, assignment, master.addr, master.port, use_agent_store=master.agent_store)
 
 
@@ -160,9 +160,18 @@ def _check(
     info: Any,
     store: Store,
     master: Master,
+    handler_store: bool,
 ) -> None:
     """The pre-flight check, ended at once (store and check process) on abandon; not
-    started at all when the phase was abandoned before it."""
+    started at all when the phase was abandoned before it.
+
+    Its results go through the workers' bootstrap store where group rank 0's agent hosts
+    it (a new server per round: no etcd write). Where the handler hosts the workers'
+    store (``handler_store``: torch's c10d handler; it outlives rounds), through the
+    round's store. A wait on the bootstrap store cannot be aborted: it ends when group
+    rank 0's agent releases the server (each agent does on abandon, before it forms the
+    next round), else at its timeout; the phase's thread is a daemon the loop does not
+    wait for, and the check acts on nothing once abandoned."""
     enders = _Enders()
     abort = store_aborter(store)
     if abort is not None:
@@ -178,8 +187,11 @@ def _check(
             members=rdzv.last_members,
             master=(master.addr, master.port) if master.agent_store else None,
             on_abandon=enders.add,
+            exchange_at=(master.addr, master.port)
+            if master.agent_store and not handler_store
+            else None,
         )
-    except (DistStoreError, ValueError) as exc:
+    except (DistStoreError, ValueError, BootstrapStoreError) as exc:
         text = " ".join(str(exc).split())
         raise RankExchangeError(f"round formed, but the pre-flight check failed: {text}") from exc
 

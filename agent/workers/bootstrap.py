@@ -17,6 +17,9 @@ the next formation may bind, and a formation that was abandoned (a membership ch
 stop) can bind nothing afterwards. Without that, ``--master-port`` (one fixed port for
 every round) failed every restart with EADDRINUSE: the next round was formed while the
 last round's server still held the port (issue 21, item 1).
+
+Agents connect to it too, before any worker starts (:func:`connect_bootstrap_store`): the
+pre-flight check's pairs and its result exchange, under a per-round key prefix.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ __all__ = [
     "BootstrapStoreError",
     "BootstrapSuperseded",
     "BootstrapTicket",
+    "connect_bootstrap_store",
     "host_bootstrap_store",
 ]
 
@@ -68,6 +72,36 @@ def host_bootstrap_store(addr: str, port: int | None) -> TCPStore:
             f"cannot listen for the workers' bootstrap store on port {port or 'any'}: {text}"
             + ("; choose another --master-port" if port else "")
         ) from exc
+
+
+def connect_bootstrap_store(
+    addr: str, port: int, timeout: timedelta, connect_timeout: timedelta
+) -> TCPStore:
+    """A client of the round's server at ``addr``:``port``; its operations time out after
+    ``timeout``. It disconnects when the object is released; a release of the server
+    (:meth:`BootstrapHost.release`) ends its waits at once with an error.
+
+    Raises:
+        BootstrapStoreError: no server answered within ``connect_timeout`` (torch retries
+            the connection until then).
+    """
+    try:
+        client = TCPStore(
+            host_name=addr,
+            port=port,
+            is_master=False,
+            wait_for_workers=False,
+            timeout=connect_timeout,
+        )
+    except RuntimeError as exc:  # DistNetworkError is one
+        text = " ".join(str(exc).split())
+        raise BootstrapStoreError(
+            f"cannot reach the workers' bootstrap store at {addr}:{port} within "
+            f"{connect_timeout.total_seconds():g} s: {text}; check that group rank 0's host "
+            "is reachable at that address (--master-addr, --local-addr)"
+        ) from exc
+    client.set_timeout(timeout)
+    return client
 
 
 class BootstrapHost:

@@ -1,9 +1,11 @@
 """The agent's side of the pre-flight check with real check processes: a check that
 answers, one that hangs past ``--health-check-timeout`` (killed, reaped, and its node
-quarantined with that reason), and three nodes whose pairs run through a real TCPStore.
+quarantined with that reason), and three nodes whose pairs and results run through the
+bootstrap TCPStore group rank 0's agent hosts, while the round's store in etcd sees none
+of it; a bootstrap store that cannot be reached fails the formation with one line.
 
-The round's store is an in-memory stand-in for the agents' store (the exchange needs only
-set/check/wait/multi_get); the e2e test runs the whole thing with etcd.
+Where a round's store is only passed along, it is an in-memory stand-in (the exchange
+needs only set/check/wait/multi_get); the e2e test runs the whole thing with agents.
 """
 
 from __future__ import annotations
@@ -15,12 +17,22 @@ from collections.abc import Sequence
 from datetime import timedelta
 
 import pytest
-from torch._C._distributed_c10d import TCPStore
 
 from agent.health.check_worker import DELAY_ENV
 from agent.health.preflight import HealthCheckFailed, Preflight
 from agent.health.verdict import Verdict
+from agent.loop.launches import Master
+from agent.loop.phase import Phase
+from agent.loop.rounds import Formed, RankExchangeError, _check
+from agent.store import Store
+from agent.workers.bootstrap import BootstrapHost
+from coordinator.core.etcd_client import EtcdClient, EtcdConfig
+from coordinator.core.keys import RunKeys
+from coordinator.core.ports import free_port
 from coordinator.core.state import Quarantine
+from coordinator.etcd_server import EtcdCluster
+from coordinator.torch_adapter.store import EtcdStore
+from coordinator.torch_adapter.surface import ForeignSurface
 from tests.e2e.agents import alive
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -73,10 +85,18 @@ def _preflight(
     )  # fmt: skip
 
 
-def _run(pf: Preflight, store: MemoryStore, rank: int, world: int, master: tuple[str, int] | None):
+def _run(
+    pf: Preflight,
+    store: Store,
+    rank: int,
+    world: int,
+    master: tuple[str, int] | None,
+    exchange_at: tuple[str, int] | None = None,
+) -> Verdict:
     return pf.check(
         store, round_id=4, group_rank=rank, world_size=world,
         members=[f"n{i}" for i in range(world)], master=master, on_abandon=lambda _end: None,
+        exchange_at=exchange_at,
     )  # fmt: skip
 
 
@@ -120,21 +140,28 @@ def test_a_check_past_its_timeout_is_killed_and_its_node_quarantined() -> None:
     assert took < 90, took
 
 
-def test_three_nodes_measure_their_pairs_and_the_slow_one_is_named() -> None:
-    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                      timeout=timedelta(seconds=60))  # fmt: skip
-    store = MemoryStore()
+def test_three_nodes_measure_their_pairs_and_exchange_off_etcd_and_the_slow_one_is_named(
+    etcd1: EtcdCluster, run_id: str
+) -> None:
+    host = BootstrapHost()  # as group rank 0's agent hosts the round's workers' store
+    port = host.next_formation().serve("127.0.0.1", None)
+    client = EtcdClient(EtcdConfig(endpoints=tuple(etcd1.endpoints)))
+    keys = RunKeys("/etcd-elastic-test", run_id)
+    store = EtcdStore(client, keys.store_prefix(4), timedelta(seconds=60))  # the round's
     written: list[Sequence[Quarantine]] = []
     nodes = [
         _preflight(f"n{r}", written, 120, {DELAY_ENV: "2"} if r == 1 else {}) for r in range(3)
     ]
     outcomes: dict[int, object] = {}
+    master = ("127.0.0.1", port)
 
     def run(rank: int) -> None:
         try:
-            outcomes[rank] = _run(nodes[rank], store, rank, 3, ("127.0.0.1", server.port))
+            outcomes[rank] = _run(nodes[rank], store, rank, 3, master, exchange_at=master)
         except Exception as exc:
             outcomes[rank] = exc
+        if rank == 0:
+            host.release()  # what its agent does at once: re-form, a new server
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
     try:
@@ -142,10 +169,15 @@ def test_three_nodes_measure_their_pairs_and_the_slow_one_is_named() -> None:
             t.start()
         for t in threads:
             t.join(240)
+        in_etcd, _ = client.get_prefix(keys.run_prefix)
     finally:
         for pf in nodes:
             pf.close()
+        host.release()
+        client.close()
+    # The rank-0 server went as soon as its check returned: the others had read the verdict.
     assert all(isinstance(o, HealthCheckFailed) for o in outcomes.values()), outcomes
+    assert in_etcd == [], [kv.key for kv in in_etcd]  # no result, no verdict: not one key
     verdict = nodes[0].last
     assert verdict is not None
     assert [n.passed for n in verdict.nodes] == [True, False, True]
@@ -161,3 +193,28 @@ def test_three_nodes_measure_their_pairs_and_the_slow_one_is_named() -> None:
         assert theirs.nodes[1] == verdict.nodes[1]  # the failed node, with its measures
     assert nodes[0].last_judged
     assert [[e.node_id for e in entries] for entries in written] == [["n1"]]
+
+
+def test_a_bootstrap_store_out_of_reach_fails_the_formation_in_one_line() -> None:
+    class Rdzv(ForeignSurface):
+        last_round = 4
+
+    port = free_port("127.0.0.1")  # nothing listens there
+    pf = _preflight("n1", [], 120, {})
+    pf.connect_s = 1.0
+    phase: Phase[Formed] = Phase("rendezvous", lambda _p: None, lambda: None)  # type: ignore[arg-type,return-value]
+    info = type("Info", (), {"rank": 1, "world_size": 2})()
+    try:
+        with pytest.raises(RankExchangeError) as caught:
+            _check(Rdzv(), phase, pf, info, MemoryStore(), Master("127.0.0.1", port, True), False)
+    finally:
+        pf.close()
+    text = str(caught.value)
+    assert text.startswith(
+        "round formed, but the pre-flight check failed: cannot reach the workers' bootstrap "
+        f"store at 127.0.0.1:{port} within 1 s: "
+    ), text
+    assert text.endswith(
+        "check that group rank 0's host is reachable at that address (--master-addr, --local-addr)"
+    ), text
+    assert "\n" not in text
