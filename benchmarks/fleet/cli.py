@@ -74,6 +74,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--report", type=Path, nargs="+", help="saved runs to model (no run)")
     p.add_argument("--ceiling", type=Path, help="--report: etcd-ceiling scenario JSON")
     p.add_argument("--formation", type=Path, help="--report: formation scenario JSON")
+    p.add_argument(
+        "--formation-large", type=Path,
+        help="--report: formation scenario JSON at N = 1000 (the time target)",
+    )  # fmt: skip
     p.add_argument("--doc", type=Path, default=None, help="--report: the markdown to update")
     p.add_argument("--plot", type=Path, default=None, help="--report: the PNG to write")
     return p.parse_args(argv)
@@ -123,7 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.report:
         from benchmarks.fleet.report import write_report
 
-        return write_report(args.report, args.ceiling, args.formation, args.doc, args.plot)
+        return write_report(
+            args.report, args.ceiling, args.formation, args.doc, args.plot, args.formation_large
+        )
     runs = []
     for nodes in args.nodes:
         result = run_fleet(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,31 @@ def _formation_ratio(path: Path | None) -> tuple[float | None, float | None, flo
     return ours, torch, ratio
 
 
+@dataclass(frozen=True)
+class LargeFormation:
+    """The formation scenario at a large N (``python -m benchmarks formation --nodes
+    1000``): the target's measure, without the fleet's host processes in the way."""
+
+    nodes: int
+    median: float
+    formed: int  # runs that formed
+    runs: int  # runs tried
+
+
+def _large_formation(path: Path | None) -> LargeFormation | None:
+    if path is None:
+        return None
+    data = json.loads(path.read_text())
+    ours = data["systems"]["etcd-v3"]
+    formed = int(ours.get("n") or 0)
+    return LargeFormation(
+        nodes=int(str(data["point"]).removeprefix("N=")),
+        median=float(ours["median"]) if ours.get("median") is not None else float("nan"),
+        formed=formed,
+        runs=formed + len(ours.get("errors") or []),
+    )
+
+
 def _phases(run: Mapping[str, Any], name: str) -> list[Mapping[str, Any]]:
     return [p for p in run["phases"] if p["phase"] == name]
 
@@ -73,10 +99,22 @@ def _verdict(ok: bool | None) -> str:
 
 
 def targets(
-    runs: Sequence[Mapping[str, Any]], ceiling: float | None, formation: tuple[Any, Any, Any]
+    runs: Sequence[Mapping[str, Any]],
+    ceiling: float | None,
+    formation: tuple[Any, Any, Any],
+    large: LargeFormation | None = None,
 ) -> list[str]:
     """One line per target of issue 20 that the runs answer (see docs/scale.md)."""
     lines = []
+    if large is not None and ceiling:
+        bound = 20 * large.nodes / ceiling
+        formed = large.formed == large.runs >= 5 and large.median <= bound
+        lines.append(
+            f"formation N={large.nodes} (`python -m benchmarks formation`): {large.formed} "
+            f"of {large.runs} runs formed, median {large.median:.2f} s; {large.nodes} "
+            f"transactions at etcd's ceiling ({ceiling:.0f}/s) take "
+            f"{large.nodes / ceiling:.3f} s, x20 = {bound:.2f} s: {_verdict(formed)}"
+        )
     for run in sorted(runs, key=lambda r: r["nodes"]):
         ttl = run["options"]["lease_ttl"]
         for p in _phases(run, "half-lost"):
@@ -95,14 +133,13 @@ def targets(
             f"N={run['nodes']}: {complete} of {len(forms)} formations complete in "
             f"their first round (target: 5 of 5): {_verdict(complete == len(forms) >= 5)}"
         )
-        if forms and ceiling:
+        if forms:
+            # Not the time target's measure (the formation scenario above is): here the
+            # harness's host processes, not etcd, bound every formation.
             median = statistics.median(p["times"]["formed_s"] for p in forms)
-            bound = 20 * run["nodes"] / ceiling
             lines.append(
-                f"N={run['nodes']}: formation median {median:.2f} s; {run['nodes']} "
-                f"transactions at etcd's ceiling ({ceiling:.0f}/s) take "
-                f"{run['nodes'] / ceiling:.3f} s, x20 = {bound:.2f} s: "
-                f"{_verdict(median <= bound)}"
+                f"N={run['nodes']}: the fleet's formations took {median:.2f} s (median), "
+                "bounded by the harness's host processes (no target)"
             )
     ours, torch, ratio = formation
     if ratio is not None:
@@ -194,7 +231,10 @@ def _formula_table(fits: Mapping[str, Mapping[str, Fit]]) -> list[str]:
 
 
 def render(
-    runs: Sequence[Mapping[str, Any]], ceiling: float | None, formation: tuple[Any, Any, Any]
+    runs: Sequence[Mapping[str, Any]],
+    ceiling: float | None,
+    formation: tuple[Any, Any, Any],
+    large: LargeFormation | None = None,
 ) -> str:
     """The generated section of docs/scale.md."""
     fits = _fits(runs)
@@ -214,7 +254,7 @@ def render(
         "**Targets**",
         "",
     ]
-    out += [f"- {line}" for line in targets(runs, ceiling, formation)]
+    out += [f"- {line}" for line in targets(runs, ceiling, formation, large)]
     out += [
         "",
         "**Measured points** (etcd's own counts in each phase's window, training "
@@ -335,13 +375,15 @@ def write_report(
     formation_path: Path | None,
     doc: Path | None,
     plot: Path | None,
+    large_path: Path | None = None,
 ) -> int:
     """Write the section into ``doc`` (between its markers), ``doc``'s JSON twin and the
     plot; print the section when no ``doc`` is given."""
     runs = _load(fleet)
     ceiling = _ceiling(ceiling_path)
     formation = _formation_ratio(formation_path)
-    section = render(runs, ceiling, formation)
+    large = _large_formation(large_path)
+    section = render(runs, ceiling, formation, large)
     if doc is None:
         print(section)
     else:
@@ -356,6 +398,7 @@ def write_report(
                     "runs": runs,
                     "ceiling_txn_per_s": ceiling,
                     "formation_32": formation,
+                    "formation_large": vars(large) if large is not None else None,
                     "fits": {p: {f: vars(x) for f, x in figs.items()} for p, figs in fits.items()},
                     "renewals_per_ttl": renewals_per_ttl(runs),
                 },

@@ -4,8 +4,10 @@ windows' bookkeeping, and the cost model's fit."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +22,7 @@ from benchmarks.fleet.fleet import AgentStart
 from benchmarks.fleet.measure import cpu_bound, training_seconds
 from benchmarks.fleet.model import Fit, fit, own_cost, phase_points, renewals_per_ttl, ttl_advice
 from benchmarks.fleet.phases import formed_after, where_they_are
-from benchmarks.fleet.report import render
+from benchmarks.fleet.report import LargeFormation, _large_formation, render, targets
 from benchmarks.fleet.run import layout, pick_slots
 from benchmarks.fleet.standin import ProgressSlot, StandInCheck, StandInGroup, Trainer
 from etcd_elastic.progress import PROGRESS_FILE_ENV, ProgressFile
@@ -308,3 +310,21 @@ def test_phase_points_model_and_ttl_advice_from_runs() -> None:
 
 def test_fit_formula_of_nothing_is_zero() -> None:
     assert Fit(0.0, 0.0, 0.0, 0.0).formula() == "0"
+
+
+def test_the_large_formation_is_judged_against_twenty_times_the_ceiling(tmp_path: Path) -> None:
+    def scenario(median: float, samples: int, errors: int) -> LargeFormation | None:
+        path = tmp_path / "formation-1000.json"
+        ours = {"median": median, "n": samples, "errors": ["timed out"] * errors}
+        path.write_text(json.dumps({"point": "N=1000", "systems": {"etcd-v3": ours}}))
+        return _large_formation(path)
+
+    # 1000 transactions at 10,000/s take 0.1 s: the bound is 2 s
+    met = targets([], 10_000.0, (None, None, None), scenario(1.9, 5, 0))
+    assert met == [
+        "formation N=1000 (`python -m benchmarks formation`): 5 of 5 runs formed, median "
+        "1.90 s; 1000 transactions at etcd's ceiling (10000/s) take 0.100 s, x20 = 2.00 s: met"
+    ]
+    assert targets([], 10_000.0, (None, None, None), scenario(2.1, 5, 0))[0].endswith("**missed**")
+    one_failed = targets([], 10_000.0, (None, None, None), scenario(1.0, 4, 1))[0]
+    assert "4 of 5 runs formed" in one_failed and one_failed.endswith("**missed**")
