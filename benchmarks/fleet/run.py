@@ -35,6 +35,7 @@ from benchmarks.fleet.measure import PhaseResult
 from benchmarks.fleet.phases import JobRun, Leftovers, formed_after, latest_starts
 from benchmarks.procs import RunError
 from benchmarks.systems import benchmark_etcd_binary
+from coordinator.core.run_lease import run_lease_ttl
 from coordinator.etcd_server import EtcdCluster, etcd_version
 
 __all__ = ["FleetOptions", "layout", "pick_slots", "run_fleet"]
@@ -143,6 +144,12 @@ class _Run:
         self.leftovers[name] = {**asdict(left), "retention_s": retention}
 
 
+def _kept_for(o: FleetOptions) -> float:
+    """How long an ended run's keys stay: its run lease's TTL, the retention but never
+    under twice the lease TTL (:func:`coordinator.core.run_lease.run_lease_ttl`)."""
+    return float(run_lease_ttl(o.retention_s, o.lease_ttl))
+
+
 def _job_a(run: _Run, job: JobRun) -> None:
     o = run.options
     run.phases.append(job.form())
@@ -152,7 +159,7 @@ def _job_a(run: _Run, job: JobRun) -> None:
         run.phases.append(job.hang())
     run.phases.append(job.lose([0], "node-loss"))
     run.phases.append(job.end())
-    run.leftover("job-end", job, o.retention_s)
+    run.leftover("job-end", job, _kept_for(o))
 
 
 def _job_b(run: _Run, job: JobRun) -> None:
@@ -216,7 +223,7 @@ def _churn(run: _Run) -> None:
         fleet.release()
         done += len(wave)
     ended = time.monotonic()
-    time.sleep(o.retention_s + o.after_s)  # etcd removes what the retention leases hold
+    time.sleep(_kept_for(o) + o.after_s)  # etcd removes what the run leases hold
     keys = run.admin.keys_under("/etcd-elastic/")
     leases = run.admin.leases()
     run.admin.compact()
