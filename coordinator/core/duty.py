@@ -112,6 +112,7 @@ class CoordinatorDuty:
             longer coordinates: its owner should leave and re-join, or stop).
         events: where a leader's joins, rounds and departures go (the run's timeline;
             written in the background, never waited for). None: not recorded.
+        on_key_gone: told (must not block) when its key was deleted under a live lease.
     """
 
     def __init__(
@@ -125,8 +126,9 @@ class CoordinatorDuty:
         wall_ms: Callable[[], int] = lambda: int(time.time() * 1000),
         on_death: DeathListener | None = None,
         events: EventLog | None = None,
+        on_key_gone: Callable[[Membership], None] = lambda _me: None,
     ) -> None:
-        self._events = events
+        self._events, self._on_key_gone = events, on_key_gone
         self._client = client
         self._keys = keys
         self._view = view
@@ -182,9 +184,11 @@ class CoordinatorDuty:
     def _await_new_key(self, me: Membership) -> None:
         """Fenced out although this node's key, as it knows it, is unchanged: the key was
         deleted (or written by someone else) under a live lease, e.g. by ``etcdctl del``.
-        Leading again with it would be fenced out again at once, and forever: wait until
-        this node writes its key anew (the new create revision is its fence) or loses its
-        lease."""
+        Say so (the node re-joins, writing its key anew, whose create revision is its
+        fence), then wait for that write or the lease's loss: the old key is fenced out
+        forever, and with every key deleted no coordinator is left to see nodes go."""
+        if self._membership() == me:
+            self._on_key_gone(me)
         while not self._stop.is_set() and self._membership() == me:
             self._signal.wait(None)
 

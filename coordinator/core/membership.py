@@ -6,7 +6,9 @@ the election and the fence of its commits). A lost lease (etcd said so) is repla
 the next write, and the new key has a new create revision, so a node that lost its lease
 can never commit as the leader it was before. A key deleted under a live lease (an
 operator's ``etcdctl del``) is created again by the next write, and that new create
-revision is the one the node goes by from then on.
+revision is the one the node goes by from then on. Until then :meth:`key_gone` says the
+key is known gone (the duty found out: its commit was fenced out), and the node asks to
+re-join as after a lost lease.
 
 Locking: ``_lock`` guards only the two references below and is a leaf lock: no RPC, no
 callback and no other lock is ever taken while it is held (docs/architecture.md).
@@ -62,6 +64,7 @@ class NodeMembership:
         self._lock = threading.Lock()
         self._session: Session | None = None
         self._membership: Membership | None = None
+        self._gone: Membership | None = None  # found deleted under the live lease
 
     def current(self) -> Membership | None:
         """This node's key while its lease lives, else None."""
@@ -70,6 +73,17 @@ class NodeMembership:
         if session is None or session.lost():
             return None
         return membership
+
+    def forget(self, gone: Membership) -> None:
+        """The key ``gone`` was deleted under the live lease (the duty's commit was fenced
+        out with it): :meth:`key_gone` says so until this node writes its key anew."""
+        with self._lock:
+            self._gone = gone
+
+    def key_gone(self) -> bool:
+        """Whether this node's key, as it last wrote it, is known deleted under its lease."""
+        with self._lock:
+            return self._gone is not None and self._gone == self._membership
 
     def lease_id(self) -> int:
         """The lease this node's key hangs on while it lives, else 0."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from coordinator.core.duty import CoordinatorDuty
+from coordinator.core.duty import CoordinatorDuty, Membership
 from coordinator.core.errors import EtcdElasticError
 from coordinator.core.etcd_client import EtcdClient
 from coordinator.core.event_log import EventLog
@@ -57,14 +57,14 @@ class Participation:
         clock: Callable[[], float],
         events: EventLog | None = None,
     ) -> None:
-        self.node_id = node_id
+        self.node_id, self._run_id = node_id, keys.run_id
         self._on_change = on_change
         self.member = NodeMembership(client, keys, node_id, lease_ttl, self._lease_lost)
         self.view = StateView(client, keys.state, on_death=on_death)
         self.view.subscribe(on_change)
         self.duty = CoordinatorDuty(
             client, keys, self.view, limits, self.member.current,
-            clock=clock, on_death=on_death, events=events,
+            clock=clock, on_death=on_death, events=events, on_key_gone=self._key_gone,
         )  # fmt: skip
 
     def start(self) -> None:
@@ -76,6 +76,28 @@ class Participation:
         self.view.wake()
         self.duty.poke()
         self._on_change()
+
+    def key_lost(self) -> bool:
+        """Whether this node's key is gone: its lease ended, or the key was deleted under
+        the live lease. Either way the node must ask again with a new key."""
+        return self.member.lost() or self.member.key_gone()
+
+    def must_rejoin(self, last_round: int) -> bool:
+        """Whether this node, whose last completed round is ``last_round``, must
+        rendezvous again although nobody waits: its key is gone, or a newer round
+        completed without it (it was still starting its workers while the others re-formed
+        and the last call ended: its group is of a round nobody else is in)."""
+        return self.key_lost() or self.view.peek().round > last_round > 0
+
+    def _key_gone(self, gone: Membership) -> None:
+        # Deleted under the live lease: the handler and the agent take it as a lost lease
+        # (num_nodes_waiting() counts it; a join in progress asks again).
+        log.warning(
+            "node %s: its key in run %s was deleted (by hand?) while its lease lives; it "
+            "joins again", self.node_id, self._run_id,
+        )  # fmt: skip
+        self.member.forget(gone)
+        self._lease_lost()
 
     def close(self) -> None:
         """Stop the duty (started or not) and the view, and revoke the lease. Idempotent."""

@@ -154,7 +154,7 @@ class EtcdRendezvousHandler(RendezvousNode, RendezvousHandler):
 
     @torch_errors
     def num_nodes_waiting(self) -> int:
-        return self._presence.nodes_waiting()
+        return self._presence.nodes_waiting(self.last_round)
 
     def get_run_id(self) -> str:
         return self._keys.run_id

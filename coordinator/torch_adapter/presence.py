@@ -175,21 +175,24 @@ class RunPresence:
                 time.sleep(delay)
 
     def session_lost(self) -> bool:
-        """Whether the live participation's lease was lost.
+        """Whether the live participation's key is gone (its lease lost, or the key deleted
+        under it).
 
         Called under the view's condition (``wait_newer``'s predicate): takes only the
         leaf lock, never the view's."""
         parts = self.current()
-        return parts is not None and parts.member.lost()
+        return parts is not None and parts.key_lost()
 
-    def nodes_waiting(self) -> int:
+    def nodes_waiting(self, last_round: int) -> int:
         """What this node adds to ``num_nodes_waiting()``: the nodes waiting in its watched
-        state, plus one if its own lease was lost or it left to re-join."""
+        state, plus one if it must rendezvous again although nobody waits (its key is
+        gone, a newer round than ``last_round``, its last, completed without it; see
+        :meth:`Participation.must_rejoin`) or it left to re-join."""
         with self._lock:
             parts, rejoin = self._parts, self._rejoin
         if parts is None:
             return 1 if rejoin is not None else 0
-        return parts.view.peek().num_waiting + (1 if parts.member.lost() else 0)
+        return parts.view.peek().num_waiting + int(parts.must_rejoin(last_round))
 
     def event_log(self) -> EventLog:
         """The run's timeline, written in the background (made at the first use)."""

@@ -74,3 +74,36 @@ def test_a_coordinator_whose_key_was_deleted_coordinates_with_its_new_key(
     now = parts.member.current()
     assert now is not None and now.create_revision == kv.create_revision
     assert a.is_coordinator
+
+
+def test_every_node_key_deleted_while_the_job_trains_makes_every_node_rejoin(
+    etcd1: EtcdCluster, run_id: str, handlers: list[EtcdRendezvousHandler]
+) -> None:
+    """``etcdctl del --prefix .../nodes/`` while a round trains: no key is left to
+    coordinate with (each node that takes the duty is fenced out at its first commit),
+    so no coordinator can record the departures. Each node must learn its key is gone
+    and say so in ``num_nodes_waiting()`` (the agent then re-rendezvouses, as after a
+    lost lease); before, each waited for a write of its own that nothing asked for, and
+    the job trained on with no node key, blind to any node lost meanwhile."""
+    three = [make_handler(etcd1, run_id, 2, 3, **SHORT) for _ in range(3)]
+    handlers += three
+    Joins(three).start().infos()
+    assert {h.last_round for h in three} == {1}
+    assert all(h.num_nodes_waiting() == 0 for h in three)
+    with EtcdClient(EtcdConfig(tuple(etcd1.endpoints))) as operator:
+        old = {h.node_id: operator.get(_key_of(h))[0] for h in three}
+        operator.delete_prefix(three[0]._keys.nodes_prefix)
+        wait_until(
+            lambda: all(h.num_nodes_waiting() > 0 for h in three),
+            20,
+            "every node to learn its key is gone",
+        )
+        again = Joins(three).start().infos(60)
+        for h in three:
+            kv, _ = operator.get(_key_of(h))
+            before = old[h.node_id]
+            assert kv is not None and before is not None
+            assert kv.create_revision > before.create_revision
+    assert sorted(info.rank for info in again.values()) == [0, 1, 2]
+    assert {h.last_round for h in three} == {2}
+    assert all(h.num_nodes_waiting() == 0 for h in three)
