@@ -8,6 +8,8 @@
     ├── JoinTimeoutError               join_timeout passed before a round completed
     ├── EtcdConnectionError            no etcd member answered (names the endpoints)
     │   ├── EtcdAuthError              wrong user/password or not permitted
+    │   │   └── EtcdPermissionError    the user's role may not use a key (a grant that
+    │   │                              is missing, or was revoked)
     │   └── EtcdTLSError               TLS files unreadable or handshake refused
     ├── CorruptValueError              a value under our prefix does not decode
     ├── LeaseLostError                 our lease expired: this node left the run
@@ -30,6 +32,7 @@ __all__ = [
     "EtcdAuthError",
     "EtcdConnectionError",
     "EtcdElasticError",
+    "EtcdPermissionError",
     "EtcdTLSError",
     "JoinTimeoutError",
     "LeaseLostError",
@@ -67,6 +70,12 @@ class EtcdConnectionError(EtcdElasticError):
 
 class EtcdAuthError(EtcdConnectionError):
     """etcd refused the credentials, or the user lacks permission on our prefix."""
+
+
+class EtcdPermissionError(EtcdAuthError):
+    """The user was authenticated, but its role may not use a key of ours. Unlike a wrong
+    password this can come back without the node changing anything (an operator's RBAC
+    change: a permission revoked and granted again, a role re-created)."""
 
 
 class EtcdTLSError(EtcdConnectionError):

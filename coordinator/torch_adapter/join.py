@@ -183,6 +183,7 @@ class Join:
             if self._presence.current() is not parts:
                 return  # ended while a try failed: no lease nor key for a dead participation
             parts.member.write(lambda lease_id: self._record(wanted, lease_id))
+            self._presence.key_written()
             parts.duty.poke()
 
         self._presence.until(self._deadline, f"asking for round {wanted} of", write)

@@ -214,10 +214,20 @@ class RendezvousNode:
     def count_restart(self, round: int) -> RestartCount:
         """Count a failure (or hang) of ``round`` against the job's ``--max-restarts``,
         once for the job: nothing is written when the watched state shows it counted, and
-        a lost race decides again from the winner's value. Returns the job's count."""
-        view = self._presence.participation().view
-        written = self._write(view, lambda state: count_restart(state, round, self.incarnation))
-        return view.peek().restarts if written is None else written.restarts
+        a lost race decides again from the winner's value. Returns the job's count.
+
+        One etcd call as the agent sees it: etcd away is retried by the client for
+        read_timeout, and a permission this node had, refused (an operator's RBAC
+        change), is waited for as long."""
+
+        def count() -> RestartCount:
+            view = self._presence.participation().view
+            written = self._write(view, lambda state: count_restart(state, round, self.incarnation))
+            return view.peek().restarts if written is None else written.restarts
+
+        deadline = self._clock() + self._settings.read_timeout
+        doing = f"counting a restart of round {round} in"
+        return self._presence.until(deadline, doing, count, unreachable_too=False)
 
     @property
     def job_restarts(self) -> RestartCount:

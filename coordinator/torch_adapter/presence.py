@@ -12,22 +12,15 @@ lease goes, so the others read ``left`` or ``drained``, not "lease expired".
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
-import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from coordinator.core.errors import (
-    EtcdAuthError,
-    EtcdConnectionError,
-    EtcdTLSError,
-    LeaseLostError,
-    NodeLeftError,
-)
-from coordinator.core.etcd_client import EtcdClient, backoff_delay
+from coordinator.core.errors import LeaseLostError, NodeLeftError
+from coordinator.core.etcd_client import EtcdClient
 from coordinator.core.event_log import EventLog, record_event
 from coordinator.core.events import Event
+from coordinator.core.join_retry import retry_until
 from coordinator.core.keys import RunKeys
 from coordinator.core.participation import Participation
 from coordinator.core.run_lease import RunLease
@@ -90,6 +83,7 @@ class RunPresence:
         self._run_lease = RunLease(self._keys, settings.retention, settings.lease_ttl)
         # The view of the last participation (kept after it ended): what is_closed() reads.
         self._last_view: StateView | None = None
+        self._key_written = threading.Event()  # see key_written()
 
     @property
     def left(self) -> bool:
@@ -153,26 +147,23 @@ class RunPresence:
             return self.participation()
         return self.until(deadline, "joining", self.participation)
 
-    def until(self, deadline: float, doing: str, call: Callable[[], T]) -> T:
-        """``call()``, tried again after an etcd connection error until ``deadline`` (the
-        join's): each try is bounded by read_timeout, the join by join_timeout."""
-        failures = 0
-        while True:
-            try:
-                return call()
-            except (EtcdAuthError, EtcdTLSError):
-                raise  # a wrong credential does not heal by waiting
-            except EtcdConnectionError as exc:
-                left = deadline - self._clock()
-                if left <= 0:
-                    raise
-                delay = min(left, backoff_delay(failures, secrets.randbelow(1000) / 1000))
-                log.warning(
-                    "node %s: %s run %s failed (%s); trying again in %.1f s",
-                    self._node_id, doing, self._keys.run_id, exc, delay,
-                )  # fmt: skip
-                failures += 1
-                time.sleep(delay)
+    def until(
+        self, deadline: float, doing: str, call: Callable[[], T], *, unreachable_too: bool = True
+    ) -> T:
+        """``call()``, tried again until ``deadline`` after etcd was unreachable (unless
+        not ``unreachable_too``) or refused a permission this node had: see
+        :func:`~coordinator.core.join_retry.retry_until`. Each try is bounded by
+        read_timeout, the join by join_timeout."""
+        return retry_until(
+            call, deadline, doing=f"node {self._node_id}: {doing} run {self._keys.run_id}",
+            permitted=self._key_written.is_set, unreachable_too=unreachable_too,
+            clock=self._clock,
+        )  # fmt: skip
+
+    def key_written(self) -> None:
+        """etcd let this node write its key: its role had the permission, so a refusal
+        from now on is a permission revoked, which a join waits for."""
+        self._key_written.set()
 
     def session_lost(self) -> bool:
         """Whether the live participation's key is gone (its lease lost, or the key deleted

@@ -12,7 +12,12 @@ from typing import Any, NamedTuple
 
 import grpc
 
-from coordinator.core.errors import EtcdAuthError, EtcdConnectionError, LeaseLostError
+from coordinator.core.errors import (
+    EtcdAuthError,
+    EtcdConnectionError,
+    EtcdPermissionError,
+    LeaseLostError,
+)
 from coordinator.core.etcd_client._etcdrpc import etcdrpc
 from coordinator.core.etcd_client._failover import (
     AUTH_DISABLED,
@@ -370,7 +375,7 @@ class _Connection:
         kind = classify_status(code, details)
         on_key = f" on key {key_text(key)}" if key is not None else ""
         if kind == PERMISSION:
-            return EtcdAuthError(
+            return EtcdPermissionError(
                 f"etcd user {self._config.user!r} is not permitted to {what}{on_key} "
                 f"({details}); grant the user's role readwrite on the key prefix"
             )

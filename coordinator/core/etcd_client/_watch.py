@@ -32,7 +32,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from coordinator.core.errors import EtcdAuthError, EtcdConnectionError
+from coordinator.core.errors import EtcdAuthError, EtcdConnectionError, EtcdPermissionError
 from coordinator.core.etcd_client._failover import (
     AUTH_REQUIRED,
     PERMISSION,
@@ -187,8 +187,11 @@ def _event(pb: Any) -> WatchEvent:
 
 def _watch_error(config: EtcdConfig, state: _WatchState, reason: str) -> Exception:
     """The error for a watch etcd cancelled with ``reason``."""
-    if classify_status(None, reason) in (PERMISSION, REAUTH, AUTH_REQUIRED):
-        return EtcdAuthError(
+    kind = classify_status(None, reason)
+    if kind in (PERMISSION, REAUTH, AUTH_REQUIRED):
+        # After a token refresh (_retry_after_reauth), "permission denied" is the role's.
+        error = EtcdPermissionError if kind == PERMISSION else EtcdAuthError
+        return error(
             f"etcd user {config.user!r} may not watch key {state.key_text} ({reason}); "
             "grant the user's role read on the key prefix"
         )
