@@ -67,6 +67,7 @@ __all__ = [
     "FAULT_END",
     "FAULT_START",
     "HARNESS_ERROR",
+    "KEYS_DELETED",
     "ORPHAN_ALIVE",
     "ROUND",
     "RUN_END",
@@ -98,6 +99,7 @@ AGENT_THAWED: Final = "agent_thawed"
 AGENT_EXITED: Final = "agent_exited"
 ORPHAN_ALIVE: Final = "orphan_alive"
 WORKER_KILLED: Final = "worker_killed"
+KEYS_DELETED: Final = "keys_deleted"
 FAULT_START: Final = "fault_start"
 FAULT_END: Final = "fault_end"
 TRIGGER: Final = "trigger"

@@ -133,10 +133,14 @@ def rounds_monotonic(h: History, cfg: CheckConfig) -> Iterator[Violation]:
 
 
 def _left(h: History, cfg: CheckConfig, pid: int, lo: float, hi: float) -> bool:
-    """Whether the harness killed, froze, stopped or cut off agent ``pid`` in [lo, hi]."""
+    """Whether the harness killed, froze, stopped or cut off agent ``pid`` in [lo, hi], or
+    deleted the node keys (to the coordinator a node without a key has left, whether its
+    lease ended or an operator deleted it; the others may re-form before it is back)."""
     for item in h.of(ev.AGENT_KILLED, ev.AGENT_FROZEN, ev.AGENT_EXITED):
         if item.int_field("agent_pid") == pid and lo <= item.mono <= hi:
             return True
+    if any(lo <= item.mono <= hi for item in h.of(ev.KEYS_DELETED)):
+        return True
     return any(f.removes_node and pid in f.pids and lo <= f.start_mono <= hi for f in h.faults())
 
 

@@ -240,6 +240,10 @@ STILL_HEALTHY: list[tuple[str, Mutation]] = [
     ("a formation fault whose etcd leader kill 1.5 s in re-armed every lease: 8 s is within "
      "1.5 + TTL 2 + 5",
      lambda h: _late_formation_fault(h, inner="etcd_leader_kill", trigger_at=11.5)),
+    ("rank 0 moves after the harness deleted the node keys (to the coordinator, a or b "
+     "left: a slower one's key comes back after the others re-formed)",
+     lambda h: _reorder(_add(h, 11.0, "harness", 1, "keys_deleted", prefix="/r/nodes/",
+                             deleted=3), 2, ["b", "a", "d"])),
     ("what happens at teardown is not judged",
      lambda h: _add(h, 26.5, "agent", 100, "workers_stopped", node="a", round=2, reason="stop")),
 ]  # fmt: skip
