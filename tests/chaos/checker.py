@@ -32,9 +32,12 @@ recovery_bound                 after a fault that removes a node, a step of a ne
                                agent the job needed, if that is later); after one that
                                restarts workers without removing a node, before the next
                                fault (within TTL + 5 s for the kinds of TIMED_RESTARTS,
-                               from each worker kill of ``warm_import_stuck``)
+                               from each worker kill of ``warm_import_stuck``; from the
+                               grant's return for ``etcd_role_revoked``)
 no_restart_without_node_loss   from a fault that removes no node until the next fault: no
                                ``workers_stopped``, no newer ``round``, no ``worker_start``
+quiet_while_refused            the same, from the role's revocation in ``etcd_role_revoked``
+                               until its worker kill (training needs no etcd)
 no_agent_gives_up              no agent exits unless the harness stopped it
 worker_checks                  no worker recorded a ``violation`` (its all_gather check)
 run_complete                   every planned fault ran, the job got back to full size after
@@ -57,6 +60,7 @@ from typing import Any
 from tests.chaos import events as ev
 from tests.chaos import invariants
 from tests.chaos.history_view import History
+from tests.chaos.invariants_refused import quiet_while_refused
 from tests.chaos.verdict import CheckConfig, Violation, at
 
 __all__ = ["INVARIANTS", "CheckConfig", "Violation", "check", "format_violations"]
@@ -156,6 +160,7 @@ _CHECKS: dict[str, Callable[[History, CheckConfig], Iterator[Violation]]] = {
     "no_orphan_workers": invariants.no_orphan_workers,
     "recovery_bound": invariants.recovery_bound,
     "no_restart_without_node_loss": invariants.no_restart_without_node_loss,
+    "quiet_while_refused": quiet_while_refused,
     "no_agent_gives_up": _no_agent_gives_up,
     "worker_checks": _worker_checks,
     "run_complete": _run_complete,

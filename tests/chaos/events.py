@@ -20,6 +20,11 @@ step_s, endpoints, etcd}
     The harness SIGKILLed one worker.
 ``keys_deleted`` {prefix, deleted}
     The harness deleted every key under ``prefix`` (``etcdctl del --prefix``).
+``auth_enabled`` {user, prefix}
+    etcd has auth from here (a plan with ``etcd_role_revoked``): the agents go as
+    ``user``, whose role has readwrite on ``prefix``.
+``role_revoked`` {role} / ``role_granted`` {role}
+    The role's permission on that prefix was revoked / granted again.
 ``orphan_alive`` {worker_pid, agent_pid, after_s}
     A worker still ran ``after_s`` seconds after its agent died (then the harness kills
     it); a ``no_orphan_workers`` violation in itself.
@@ -69,6 +74,8 @@ __all__ = [
     "HARNESS_ERROR",
     "KEYS_DELETED",
     "ORPHAN_ALIVE",
+    "ROLE_GRANTED",
+    "ROLE_REVOKED",
     "ROUND",
     "RUN_END",
     "RUN_START",
@@ -100,6 +107,8 @@ AGENT_EXITED: Final = "agent_exited"
 ORPHAN_ALIVE: Final = "orphan_alive"
 WORKER_KILLED: Final = "worker_killed"
 KEYS_DELETED: Final = "keys_deleted"
+ROLE_REVOKED: Final = "role_revoked"
+ROLE_GRANTED: Final = "role_granted"
 FAULT_START: Final = "fault_start"
 FAULT_END: Final = "fault_end"
 TRIGGER: Final = "trigger"

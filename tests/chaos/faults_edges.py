@@ -18,6 +18,15 @@
     must do since no CPU moves in it (before, the stuck import blocked every refill and
     the restart waited 30 s for it).
 
+``etcd_role_revoked``
+    An operator revokes the agents' role's permission on the key prefix (etcd has auth
+    in a run whose plan has this kind). One TTL later, while the job trains on (it needs
+    no etcd; the keep-alives are still answered), a worker of one agent is killed: the
+    nodes count the restart and re-form while etcd refuses them, and must wait for the
+    grant, which comes back ``duration`` after the revocation. The checker holds the job
+    to no restart before the kill (``quiet_while_refused``) and training again within
+    TTL + slack of the grant (``recovery_bound``); no agent may exit.
+
 Each records ``trigger`` events naming what it saw; the checker holds every restart of
 these kinds to the node-loss bound (``TIMED_RESTARTS``; for ``warm_import_stuck`` each
 worker kill of the fault is judged on its own).
@@ -63,6 +72,9 @@ class EdgeFaults:
         raise NotImplementedError
 
     def _until(self, done: Callable[[], bool], timeout: float) -> bool:
+        raise NotImplementedError
+
+    def wait(self, seconds: float, poll: float | None = None) -> None:
         raise NotImplementedError
 
     def _kill_worker_of(self, slot: Slot) -> None:
@@ -129,6 +141,17 @@ class EdgeFaults:
             self._until(lambda: self.tail.stepped_since(since), wait_s)
         finally:
             arm.unlink(missing_ok=True)
+
+    def _etcd_role_revoked(self, fault: Fault) -> None:
+        slot = self._target(fault.target)
+        start = time.monotonic()
+        self.etcd.revoke_role()
+        try:
+            self.wait(self.timing.lease_ttl)  # keep-alives pass; nothing else needs etcd
+            self._kill_worker_of(slot)  # the nodes re-form while the role is refused
+            self.wait(max(0.0, start + fault.duration - time.monotonic()))
+        finally:
+            self.etcd.grant_role()
 
     def _ready_spares(self, agent_pid: int, stuck: int) -> int:
         """Warm interpreters under ``agent_pid`` that wait, ready (no CPU used over one

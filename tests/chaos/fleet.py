@@ -62,12 +62,18 @@ class FleetConfig:
     # Imported ahead by every warm interpreter; chaos_stall (tests/chaos/preload, on the
     # agents' PYTHONPATH) hangs one import when the warm_import_stuck fault asks.
     warm_modules: str = "torch,chaos_stall"
+    # etcd's user for the agents and the file with its password, when etcd has auth (a
+    # plan with a kind of NEEDS_AUTH in tests/chaos/scheduler.py); "" without.
+    user: str = ""
+    password_file: str = ""
 
     def argv(self, endpoints: str, master_port: int = 0) -> list[str]:
         conf = (
             f"lease_ttl={self.lease_ttl},join_timeout={self.join_timeout:g},"
             f"last_call_timeout={self.last_call_timeout:g}"
         )
+        if self.user:
+            conf += f",user={self.user},password_file={self.password_file}"
         return [
             str(ETCDRUN),
             f"--nnodes={self.min_nodes}:{self.max_nodes}",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -36,12 +37,18 @@ from agent.observe.journal import JOURNAL_ENV, JournalWriter, read_journal
 from coordinator.etcd_server import EtcdCluster
 from tests.chaos.checker import Violation, check, format_violations
 from tests.chaos.etcd_log import EtcdLog, fenced_commits, read_etcd_log
-from tests.chaos.etcd_ops import EtcdOps, HarnessError, chaos_etcd_binary, etcdctl_binary
+from tests.chaos.etcd_ops import (
+    TRAINER,
+    EtcdOps,
+    HarnessError,
+    chaos_etcd_binary,
+    etcdctl_binary,
+)
 from tests.chaos.faults import FaultRunner, Timing
 from tests.chaos.fleet import PRELOAD, Fleet, FleetConfig
 from tests.chaos.opening import OPENINGS, coordinator_freeze
 from tests.chaos.report import KindRow, format_table, summarize
-from tests.chaos.scheduler import ALL_KINDS, plan
+from tests.chaos.scheduler import ALL_KINDS, NEEDS_AUTH, plan
 from tests.chaos.tail import HistoryTail
 
 __all__ = ["ChaosConfig", "ChaosResult", "main", "run_chaos"]
@@ -119,6 +126,7 @@ def run_chaos(cfg: ChaosConfig) -> ChaosResult:
     deadline = started + cfg.budget_s
     stall_dir = out / "stall"
     stall_dir.mkdir(exist_ok=True)
+    password_file = _password_file(out) if NEEDS_AUTH & {f.kind for f in faults} else None
     fleet = Fleet(
         FleetConfig(
             run_id=run_id,
@@ -138,14 +146,17 @@ def run_chaos(cfg: ChaosConfig) -> ChaosResult:
                 "CHAOS_STALL_DIR": str(stall_dir),
                 **_python_path(cfg.breakage),
             },
+            user=TRAINER if password_file else "",
+            password_file=str(password_file or ""),
         ),
         cluster,
         history,
         tail,
     )
+    etcd_ops = EtcdOps(cluster, history)
     runner = FaultRunner(
         fleet,
-        EtcdOps(cluster, history),
+        etcd_ops,
         tail,
         history,
         Timing(lease_ttl=cfg.lease_ttl, settle_timeout_s=cfg.settle_timeout_s),
@@ -161,8 +172,12 @@ def run_chaos(cfg: ChaosConfig) -> ChaosResult:
     etcd_log: EtcdLog | None = None
     try:
         cluster.start()
+        if password_file is not None:
+            etcd_ops.enable_auth(f"{KEY_PREFIX}/", password_file.read_text())
         etcdctl = etcdctl_binary(cluster.binary)
-        etcd_log = EtcdLog(etcdctl, cluster.endpoint_list, f"{run_prefix}/", etcd_log_path)
+        etcd_log = EtcdLog(
+            etcdctl, cluster.endpoint_list, f"{run_prefix}/", etcd_log_path, user=etcd_ops.root
+        )
         etcd_log.__enter__()
         history.record(
             "run_start",
@@ -179,7 +194,9 @@ def run_chaos(cfg: ChaosConfig) -> ChaosResult:
             etcd=str(cluster.binary),
         )
         if cfg.opening == "coordinator_freeze":
-            coordinator_freeze(fleet, history, etcdctl, run_prefix, cfg.lease_ttl, cfg.agents)
+            coordinator_freeze(
+                fleet, history, etcdctl, run_prefix, cfg.lease_ttl, cfg.agents, user=etcd_ops.root
+            )
         else:
             for _ in range(cfg.agents):
                 fleet.start(fleet.add_slot())
@@ -231,6 +248,17 @@ def run_chaos(cfg: ChaosConfig) -> ChaosResult:
         shutil.rmtree(out, ignore_errors=True)
         result.kept = False
     return result
+
+
+def _password_file(out: Path) -> Path:
+    """A new password for the agents' etcd user, in a file only this user may read (the
+    agents take it as ``password_file``, never on a command line)."""
+    path = out / "etcd-password"
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(secrets.token_hex(16))
+    return path
 
 
 BREAKAGES = ("lease_timer", "blind_waits", "no_fencing", "orphans")

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 
 from tests.chaos import events as ev
 from tests.chaos.history_view import FaultSpan, History, Indexed
-from tests.chaos.scheduler import TIMED_RESTARTS
+from tests.chaos.invariants_refused import trained_after_grant
+from tests.chaos.scheduler import ROLE_REFUSED, TIMED_RESTARTS
 from tests.chaos.verdict import CheckConfig, Violation, at, str_list
 
 __all__ = [
@@ -303,13 +304,17 @@ def recovery_bound(h: History, cfg: CheckConfig) -> Iterator[Violation]:
     after a fault that removes a node (counted from the second fault when that one
     re-armed every lease: :func:`_rearmed_at`; when it left fewer than ``min_nodes``
     agents, at least ``agent_start_s`` after the harness started the agent the job
-    needed: :func:`_refilled_at`) and after a restart of :data:`TIMED_RESTARTS`."""
+    needed: :func:`_refilled_at`) and after a restart of :data:`TIMED_RESTARTS`; from
+    the grant's return after ``etcd_role_revoked``."""
     faults = h.faults()
     for i, span in enumerate(faults):
         if not span.disruptive:
             continue
         if span.kind in TIMED_RESTARTS:
             yield from _timed_restart(h, cfg, span)
+            continue
+        if span.kind == ROLE_REFUSED:
+            yield from trained_after_grant(h, cfg, span)
             continue
         took = h.recovery(span)
         if span.removes_node:

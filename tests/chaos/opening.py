@@ -30,10 +30,11 @@ __all__ = ["OPENINGS", "coordinator_freeze"]
 OPENINGS = ("coordinator_freeze",)
 
 
-def _node_keys(etcdctl: Path, endpoints: str, nodes_prefix: str) -> list[dict[str, Any]]:
+def _node_keys(etcdctl: Path, endpoints: str, nodes_prefix: str, user: str) -> list[dict[str, Any]]:
     """The node keys now, oldest first ([] if etcd did not answer)."""
     done = subprocess.run(
         [str(etcdctl), f"--endpoints={endpoints}", "-w", "json", "--command-timeout=3s",
+         *([f"--user={user}"] if user else []),
          "get", "--prefix", "--sort-by=CREATE", nodes_prefix],
         capture_output=True, env={**os.environ, "ETCDCTL_API": "3"}, timeout=20, check=False,
     )  # fmt: skip
@@ -54,15 +55,17 @@ def coordinator_freeze(
     lease_ttl: float,
     agents: int,
     clock: Callable[[], float] = time.monotonic,
+    *,
+    user: str = "",
 ) -> bool:
     """Start the first agent, then the others once its key is the oldest; freeze it for
     TTL + 2 s once every agent's key asks for round 1; resume it. True if the freeze
-    happened inside that window."""
+    happened inside that window. ``user`` (``root:PASSWORD``) when etcd has auth."""
     endpoints, nodes = fleet.cluster.endpoint_list, f"{run_prefix}/nodes/"
     first = fleet.add_slot()
     fleet.start(first)
     deadline = clock() + 120  # the agent's interpreter imports torch first
-    while len(_node_keys(etcdctl, endpoints, nodes)) < 1:
+    while len(_node_keys(etcdctl, endpoints, nodes, user)) < 1:
         if clock() > deadline:
             history.record("harness_error", index=-1, what="the first agent never wrote its key")
             return False
@@ -71,7 +74,7 @@ def coordinator_freeze(
         fleet.start(fleet.add_slot())
     deadline = clock() + 120
     while True:
-        keys = _node_keys(etcdctl, endpoints, nodes)
+        keys = _node_keys(etcdctl, endpoints, nodes, user)
         if len(keys) >= agents and all(str(k.get("wanted_round")) == "1" for k in keys):
             break
         if clock() > deadline:

@@ -46,11 +46,13 @@ class RoundWatch:
     """A running ``etcdctl watch`` of one state key; use as a context manager.
 
     Entering reads the key (:attr:`current`) and watches from the next revision, so no
-    commit between the read and the watch is missed.
+    commit between the read and the watch is missed. ``user`` (``root:PASSWORD``) when
+    etcd has auth.
     """
 
-    def __init__(self, etcdctl: Path, endpoints: str, key: str) -> None:
+    def __init__(self, etcdctl: Path, endpoints: str, key: str, *, user: str = "") -> None:
         self._argv = [str(etcdctl), f"--endpoints={endpoints}", "-w", "json"]
+        self._argv += [f"--user={user}"] if user else []
         self._key = key
         self._env = {**os.environ, "ETCDCTL_API": "3"}
         self._proc: subprocess.Popen[bytes] | None = None

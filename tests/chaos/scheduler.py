@@ -19,7 +19,9 @@ from typing import Any
 __all__ = [
     "ALL_KINDS",
     "CATALOGUE",
+    "NEEDS_AUTH",
     "PENDING",
+    "ROLE_REFUSED",
     "TIMED_RESTARTS",
     "Effect",
     "Fault",
@@ -92,11 +94,25 @@ _KINDS = (
         "one agent's next warm interpreter hangs in its import; that agent's workers are "
         "killed three times around it",
     ),
+    KindSpec(
+        "etcd_role_revoked",
+        Effect.RESTART,
+        "an operator revokes the agents' etcd role's permission on the key prefix; a worker "
+        "dies while it is refused, and the grant comes back",
+    ),
 )
 
 TIMED_RESTARTS = frozenset({"master_port_restart", "node_keys_deleted", "warm_import_stuck"})
 """Restarts held to the node-loss bound (TTL + slack) although no node leaves: nothing in
 them should cost more than a node lost does."""
+
+ROLE_REFUSED = "etcd_role_revoked"
+"""Held to TTL + slack from the grant's return, not from the fault's start: nothing can
+re-form while etcd refuses the role (the nodes wait for it), and nothing may restart
+before the worker dies (training needs no etcd)."""
+NEEDS_AUTH = frozenset({ROLE_REFUSED})
+"""Kinds that need etcd with auth enabled: a run whose plan has one sets it up (a root
+user, the agents' user and role), and its agents authenticate."""
 
 CATALOGUE: Mapping[str, KindSpec] = {k.name: k for k in _KINDS}
 PENDING: Mapping[str, str] = {}
@@ -133,7 +149,8 @@ class Fault:
         other: a second agent slot (the one killed by ``formation_fault`` /
             ``rank_exchange_fault``), else -1; never ``target``.
         duration: seconds the fault lasts (freeze, partition, delay, reset, member
-            down-time; for ``newcomer`` the inner fault's); 0 for instant ones.
+            down-time, the role refused; for ``newcomer`` the inner fault's); 0 for
+            instant ones.
         delay: added latency of ``agent_net_delay``, seconds.
         inner: the other fault a ``newcomer`` arrives during, or the second fault of a
             ``formation_fault``; else "".
@@ -180,6 +197,10 @@ def _durations(kind: str, rng: random.Random, ttl: float) -> tuple[float, float]
         return rng.uniform(1.0, 2 * ttl), 0.0
     if kind == "etcd_cluster_restart":
         return rng.uniform(ttl, 3 * ttl), 0.0  # the issue's target: 3 x TTL costs nothing
+    if kind == ROLE_REFUSED:
+        # Refused one TTL before the worker dies, then 1 to 2 TTLs while the nodes
+        # re-form: well under read_timeout, which a counted restart waits at most.
+        return rng.uniform(2 * ttl, 3 * ttl), 0.0
     return 0.0, 0.0
 
 
@@ -200,6 +221,7 @@ def _one(index: int, kind: str, rng: random.Random, n_agents: int, ttl: float) -
         "formation_fault",
         "rank_exchange_fault",
         "warm_import_stuck",
+        ROLE_REFUSED,
     )
     return Fault(
         index=index,

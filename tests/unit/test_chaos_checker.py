@@ -138,6 +138,16 @@ def _late_formation_fault(events: list[Event], inner: str, trigger_at: float) ->
     )
 
 
+def _refused(events: list[Event], kill_at: float, granted_at: float) -> list[Event]:
+    """Fault 0 as ``etcd_role_revoked``: the role revoked as it starts (10 s), a worker
+    of a killed at ``kill_at``, the grant back at ``granted_at`` (the agents stop their
+    workers at 12 s, round 2 steps from 14 s)."""
+    h = _edit(events, _is("fault_start", index=0), kind="etcd_role_revoked", removes_node=False)
+    h = _add(h, 10.0, "harness", 1, "role_revoked", role="trainer")
+    h = _add(h, kill_at, "harness", 1, "worker_killed", worker_pid=101, agent_pid=100)
+    return _add(h, granted_at, "harness", 1, "role_granted", role="trainer")
+
+
 def _edit(events: list[Event], pred: Callable[[Event], bool], **fields: Any) -> list[Event]:
     return [{**e, **fields} if pred(e) else e for e in events]
 
@@ -215,6 +225,9 @@ BROKEN: list[tuple[str, str, Mutation]] = [
     ("no_restart_without_node_loss", "a worker starts after the etcd fault",
      lambda h: _add(h, 23.0, "worker", 113, "worker_start", node="a", round=3, rank=0, world=6,
                     group_rank=0, group_world=3, agent_pid=100)),
+    ("quiet_while_refused", "the agents stop their workers while the role is refused, "
+     "before any worker died",
+     lambda h: _refused(h, kill_at=12.5, granted_at=13.0)),
     ("no_agent_gives_up", "agent b exits on its own",
      lambda h: _add(h, 23.0, "harness", 1, "agent_exited", slot=1, agent_pid=200, code=1)),
     ("worker_checks", "a worker's all_gather check failed",
@@ -240,6 +253,8 @@ STILL_HEALTHY: list[tuple[str, Mutation]] = [
     ("a formation fault whose etcd leader kill 1.5 s in re-armed every lease: 8 s is within "
      "1.5 + TTL 2 + 5",
      lambda h: _late_formation_fault(h, inner="etcd_leader_kill", trigger_at=11.5)),
+    ("the role refused 2 s, a worker killed 1.5 s in: the restart comes after the kill",
+     lambda h: _refused(h, kill_at=11.5, granted_at=12.0)),
     ("rank 0 moves after the harness deleted the node keys (to the coordinator, a or b "
      "left: a slower one's key comes back after the others re-formed)",
      lambda h: _reorder(_add(h, 11.0, "harness", 1, "keys_deleted", prefix="/r/nodes/",
@@ -368,3 +383,21 @@ def test_timed_restarts_train_again_within_ttl_and_slack(
         e for e in _restart_fault(kind, kills) if not (_is("step", round=2)(e) and e["mono"] < 17.5)
     ]
     assert check(late, only=["recovery_bound"]), "7.5 s after the fault is past TTL 2 + 5"
+
+
+@pytest.mark.parametrize(
+    ("granted_at", "trains_from", "caught"),
+    [(12.0, 14.0, False),
+     (12.0, 18.5, False),  # 8.5 s after the fault's start, but 6.5 s after the grant
+     (10.5, 18.5, True),  # 8 s after the grant: past TTL 2 + 5
+     (12.0, 99.0, True)],  # never
+)  # fmt: skip
+def test_a_refused_role_is_held_to_ttl_and_slack_from_the_grant(
+    granted_at: float, trains_from: float, caught: bool
+) -> None:
+    h = _refused(healthy(), kill_at=11.0, granted_at=granted_at)
+    h = [e for e in h if not (_is("step", round=2)(e) and e["mono"] < trains_from)]
+    found = check(h, only=["recovery_bound"])
+    assert bool(found) is caught, format_violations(found)
+    if caught:
+        assert "from the grant" in found[0].message

@@ -63,11 +63,16 @@ def test_durations_and_targets_fit_their_kind(ttl: float) -> None:
             assert f.duration >= 2.0 and 0 < f.delay <= min(0.3, ttl / 10), f
         if f.kind == "etcd_cluster_restart":
             assert ttl <= f.duration <= 3 * ttl, f
+        if f.kind == "etcd_role_revoked":
+            # Refused one TTL before the worker dies and at least one TTL after; well
+            # under read_timeout (60 s), which a counted restart waits at most.
+            assert 2 * ttl <= f.duration <= 3 * ttl < 60, f
         if f.kind.startswith(("agent_", "worker_")) or f.kind in (
             "newcomer",
             "formation_fault",
             "rank_exchange_fault",
             "warm_import_stuck",
+            "etcd_role_revoked",
         ):
             assert 0 <= f.target < n_agents, f
         else:
