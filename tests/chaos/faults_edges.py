@@ -42,6 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from agent.config import LaunchConfig
 from agent.observe.journal import JournalWriter
 from agent.workers.warm_interpreter import cpu_ticks
 from tests.chaos.etcd_ops import EtcdOps, HarnessError
@@ -49,6 +50,7 @@ from tests.chaos.fleet import Fleet, Slot
 from tests.chaos.scheduler import Fault
 from tests.chaos.tail import HistoryTail
 from tests.e2e.agents import descendants
+from tests.integration.orphans_support import start_time
 
 if TYPE_CHECKING:
     from tests.chaos.faults import Timing
@@ -119,7 +121,8 @@ class EdgeFaults:
                 after_s=round(time.monotonic() - start, 3),
             )  # fmt: skip
 
-        full = self._until(lambda: self._ready_spares(agent, 0) >= 2 * self.nproc, wait_s)
+        depth = LaunchConfig.warm_pool_size  # the chaos agents keep the default
+        full = self._until(lambda: self._ready_spares(agent, 0) >= depth, wait_s)
         note("the agent's warm pool is full" if full else "the agent's pool did not fill")
         taken.unlink(missing_ok=True)  # an earlier fault's on this agent
         arm.write_text("")
@@ -132,7 +135,7 @@ class EdgeFaults:
             since = time.monotonic()
             self._kill_worker_of(slot)  # takes the spares
             self._until(lambda: self.tail.stepped_since(since), wait_s)
-            spares = self._until(lambda: self._ready_spares(agent, stuck) >= self.nproc, wait_s)
+            spares = self._until(lambda: self._ready_spares(agent, stuck) >= 1, wait_s)
             note("a spare beside the stuck import" if spares else "no spare beside it")
             since = time.monotonic()
             self._kill_worker_of(slot)  # must not wait for the stuck import
@@ -154,17 +157,31 @@ class EdgeFaults:
             self.etcd.grant_role()
 
     def _ready_spares(self, agent_pid: int, stuck: int) -> int:
-        """Warm interpreters under ``agent_pid`` that wait, ready (no CPU used over one
-        second: one still importing always uses some), the stuck one aside."""
+        """The fewest warm interpreters under ``agent_pid`` that wait, ready, for one local
+        rank (a spare serves its own local rank only): past their preload
+        (``chaos_stall`` marks each one that does not hang) and using no CPU over one
+        second (one that just became a worker uses some), the stuck one aside."""
         self.tail.poll()
         workers = set(self.tail.workers_of(agent_pid))
-        warm = [
-            p for p in descendants(agent_pid)
+        warm = {
+            p: rank for p in descendants(agent_pid)
             if p not in workers and p != stuck and _mentions(p, b"warm_process")
-        ]  # fmt: skip
+            and (rank := _ready_rank(self.stall_dir, p)) is not None
+        }  # fmt: skip
         before = {p: _ticks(p) for p in warm}
         time.sleep(1.0)
-        return sum(1 for p in warm if before[p] is not None and _ticks(p) == before[p])
+        ready = [r for p, r in warm.items() if before[p] is not None and _ticks(p) == before[p]]
+        return min(ready.count(str(rank)) for rank in range(self.nproc))
+
+
+def _ready_rank(stall_dir: Path, pid: int) -> str | None:
+    """The local rank of warm interpreter ``pid`` if it got past its preload
+    (``chaos_stall`` marked it, by pid and start time: pids wrap), else None."""
+    start = start_time(pid)
+    try:
+        return None if start is None else (stall_dir / f"ready-{pid}-{start}").read_text()
+    except OSError:
+        return None
 
 
 def _ticks(pid: int) -> int | None:

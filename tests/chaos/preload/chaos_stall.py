@@ -3,8 +3,10 @@ torch,chaos_stall``; this folder is on the agents' PYTHONPATH), it hangs one imp
 purpose for the ``warm_import_stuck`` fault: the harness creates
 ``$CHAOS_STALL_DIR/stall-<agent pid>``, and the first warm interpreter of that agent to
 get here takes the file and blocks for good, using no CPU, as an import stuck on a lock
-or a network file system does. Every other import returns at once. Not a package of the
-project: only the standard library."""
+or a network file system does. Every other import marks its interpreter as past its
+preload (``ready-<pid>-<start time>``: pids wrap; its local rank inside) and returns
+at once. Not a package of
+the project: only the standard library."""
 
 import os
 import threading
@@ -15,7 +17,14 @@ if _DIR:
     try:
         os.rename(_ARM, _ARM + ".taken")
     except OSError:
-        pass
+        # Not the one to hang: this interpreter is about to say it is ready. The harness
+        # counts spares by this mark, not by their CPU time alone: on a loaded machine an
+        # interpreter still importing can get no CPU for a second, and an import stuck
+        # in an earlier fault uses none either.
+        with open(f"/proc/{os.getpid()}/stat") as _stat:
+            _start = _stat.read().rsplit(")", 1)[1].split()[19]  # field 22, starttime
+        with open(os.path.join(_DIR, f"ready-{os.getpid()}-{_start}"), "w") as _ready:
+            _ready.write(os.environ.get("LOCAL_RANK", ""))  # spares serve one local rank
     else:
         with open(_ARM + ".taken", "w") as _taken:
             _taken.write(str(os.getpid()))  # the harness tells the stuck one from the others
