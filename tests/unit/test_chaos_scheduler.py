@@ -85,8 +85,11 @@ def test_durations_and_targets_fit_their_kind(ttl: float) -> None:
             assert f.inner in FORMATION_SECOND, f
         if f.kind in ("etcd_follower_kill", "etcd_follower_freeze"):
             assert f.follower in (0, 1), f
-        if f.kind in ("etcd_follower_freeze", "etcd_leader_freeze"):
+        if f.kind == "etcd_follower_freeze":
             assert 1.0 <= f.duration <= 2 * ttl, f
+        if f.kind == "etcd_leader_freeze":  # under the frozen leader's earliest expiry
+            assert 1.0 <= f.duration <= max(1.0, ttl / 2), f
+            assert ttl < 3 or f.duration < ttl - ttl / 3, f
         record = f.to_json()
         assert record["removes_node"] is CATALOGUE[f.kind].removes_node
         assert record["disruptive"] is CATALOGUE[f.kind].disruptive
