@@ -4,9 +4,11 @@ windows' bookkeeping, and the cost model's fit."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +99,9 @@ def test_stand_in_group_runs_fails_and_stops_as_a_worker_group_does() -> None:
         progress.close()
 
 
-def test_stand_in_group_succeeds_when_every_worker_exits_0() -> None:
+@contextlib.contextmanager
+def _one_worker_group() -> Iterator[tuple[StandInGroup, ProgressFile]]:
+    """A stand-in group of one worker reporting into its own progress file, closed after."""
     progress = ProgressFile(1)
     trainer = Trainer(step_s=0.01, epoch=time.monotonic())
     group = StandInGroup(
@@ -108,27 +112,23 @@ def test_stand_in_group_succeeds_when_every_worker_exits_0() -> None:
         on_stop=lambda g: None,
     )
     try:
-        group.start()
-        group.exit_all(0)
-        assert group.state() is WorkerState.SUCCEEDED
-        with pytest.raises(RuntimeError, match="already started"):
-            group.start()
+        yield group, progress
     finally:
         trainer.close()
         progress.close()
 
 
+def test_stand_in_group_succeeds_when_every_worker_exits_0() -> None:
+    with _one_worker_group() as (group, _):
+        group.start()
+        group.exit_all(0)
+        assert group.state() is WorkerState.SUCCEEDED
+        with pytest.raises(RuntimeError, match="already started"):
+            group.start()
+
+
 def test_stalled_stand_in_reports_nothing_more() -> None:
-    progress = ProgressFile(1)
-    trainer = Trainer(step_s=0.01, epoch=time.monotonic())
-    group = StandInGroup(
-        [_launch(0, progress.path)],
-        lambda: None,
-        trainer,
-        on_start=lambda g: None,
-        on_stop=lambda g: None,
-    )
-    try:
+    with _one_worker_group() as (group, progress):
         group.start()
         deadline = time.monotonic() + 10
         while progress.read()[0] is None and time.monotonic() < deadline:
@@ -138,9 +138,6 @@ def test_stalled_stand_in_reports_nothing_more() -> None:
         before = progress.read()[0]
         time.sleep(0.1)
         assert progress.read()[0] == before
-    finally:
-        trainer.close()
-        progress.close()
 
 
 def test_stand_in_check_passes_with_the_rank_it_was_given() -> None:
