@@ -6,8 +6,10 @@ once, which stops the server)."""
 from __future__ import annotations
 
 import threading
+import time
 
 from torch._C._distributed_c10d import HashStore, TCPStore
+from torch.distributed import DistStoreError
 
 from agent.health.exchange import exchange_on_bootstrap, exchange_results, round_prefix
 from agent.health.verdict import NodeResult, Thresholds, Verdict
@@ -74,3 +76,34 @@ def test_over_the_bootstrap_store_the_others_read_a_failed_verdict_before_it_goe
     assert sorted(out) == [0, 1, 2]
     for verdict, _ in out.values():
         assert [n.passed for n in verdict.nodes] == [True, False, True]
+
+
+def test_a_node_waiting_for_the_verdict_when_the_judges_agent_goes_ends_at_once() -> None:
+    # The worst moment for the exchange: a node has published its result and waits for
+    # the verdict when group rank 0's agent, which hosts the store and judges, is gone
+    # (killed, or re-forming). Its wait must end with an error at once, not at the
+    # exchange's timeout (2 x 30 s + 30 s here), and its phase then re-forms.
+    host = BootstrapHost()
+    port = host.next_formation().serve("127.0.0.1", None)
+    ended: list[BaseException] = []
+    took: list[float] = []
+
+    def node() -> None:
+        started = time.monotonic()
+        try:
+            exchange_on_bootstrap(
+                ("127.0.0.1", port), 9, _result(2), 3, ["n0", "n1", "n2"], Thresholds(), 30.0
+            )
+        except Exception as exc:  # what the formation's phase turns into a re-formation
+            ended.append(exc)
+        took.append(time.monotonic() - started)
+
+    waiting = threading.Thread(target=node)
+    waiting.start()
+    spy = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
+    spy.wait([f"{round_prefix(9)}preflight/result/2"])  # it published, and now waits
+    host.release()
+    waiting.join(60)
+    assert not waiting.is_alive()
+    assert len(ended) == 1 and isinstance(ended[0], DistStoreError), ended
+    assert took[0] < 30.0, took  # far under the exchange's own timeout of 90 s
