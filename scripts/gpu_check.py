@@ -169,7 +169,7 @@ class Check:
             agents = [self.start(name, run, ["--nnodes=2", *flags], script, gpus=half)
                       for name, half in zip("ab", halves, strict=True)]  # fmt: skip
             what = "two agents"
-        idle = self._gpu_holders_while(agents, report)
+        idle = self._gpu_holders_while(agents, report, self.work / f"{run}.journal.jsonl")
         codes = [self.wait(agent) for agent in agents]
         lines = _journal(report)
         backends = sorted({line["backend"] for line in lines})
@@ -192,8 +192,13 @@ class Check:
                       "handover")  # fmt: skip
         return train, restart, idle
 
-    def _gpu_holders_while(self, agents: list[Agent], report: Path) -> Row:
-        """While the workers train, every process holding a GPU context is a worker."""
+    def _gpu_holders_while(self, agents: list[Agent], report: Path, journal: Path) -> Row:
+        """While the workers train, every process holding a GPU context is a worker.
+
+        A worker is what an agent's journal says it started (``workers_started``), read
+        after the query: the crash at epoch 1 can hand a warm interpreter over between the
+        first report and the query, and that replacement is a worker before it reports.
+        """
         if self.cpu:
             return Row("warm pool idle", "skipped", "--cpu")
         smi = shutil.which("nvidia-smi")
@@ -208,7 +213,10 @@ class Check:
         out = subprocess.run([smi, "--query-compute-apps=pid", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
         holders = {int(p) for p in out.stdout.split() if p.strip().isdigit()}
-        workers = {line["pid"] for line in _journal(report)}
+        workers = {line["pid"] for line in _journal(report)} | {
+            pid for e in _journal(journal) if e.get("event") == "workers_started"
+            for pid in e.get("pids", [])
+        }  # fmt: skip
         ours = {pid for a in agents for pid in _descendants(a.proc.pid)}
         strangers = (holders & ours) - workers
         ok = bool(holders & workers) and not strangers
