@@ -3,11 +3,17 @@
 
 A node cut off from etcd past its lease comes back just after the others re-formed
 without it: each of them starts its workers twice within seconds, soon after the start
-that ended the fault before. With two interpreters per local rank, the first start of
-the burst took one and deferred the import replacing it (the deferral lets a quiet job's
-new workers load their checkpoint without an import on the same cores); the second took
-the last, and its replacement only began then, so the third start waited for an import
-(seconds of CPU per worker on a busy node) or started cold.
+that ended the fault before. Two ways that burst used to spend the interpreters:
+
+- with two interpreters per local rank, the first start of the burst took one and
+  deferred the import replacing it (the deferral lets a quiet job's new workers load
+  their checkpoint without an import on the same cores); the second took the last, and
+  its replacement only began then, so the third start waited for an import (seconds of
+  CPU per worker on a busy node) or started cold;
+- the round formed without the node is abandoned when it comes back, often while its
+  start still waits for one local rank's import: the ranks that had an interpreter ready
+  took it for workers stopped at once, and the round with the node, seconds later,
+  waited for their imports again.
 
 The imports are real interpreters that take ``IMPORT_S`` seconds to import (a preloaded
 module that sleeps: no CPU, so the test's timing does not depend on the machine's load).
@@ -17,6 +23,7 @@ never by timing.
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -32,6 +39,7 @@ from tests.integration.test_warm_start import (
     base_env,
     harness,
     make_launch,
+    wait_ready,
     warm_pids,
     write_probe,
 )
@@ -121,3 +129,62 @@ def test_a_start_after_a_quiet_spell_still_defers_its_refill(
         "an import began during the deferral after a quiet spell"
     )
     assert harness.finish(group)[0].returncode == 0
+
+
+# Local rank 1's import waits for the file RELEASE names (no CPU: BOUNDS never give it up);
+# local rank 0's is done at once.
+GATE = """
+import os, time
+if os.environ.get("LOCAL_RANK") == "1":
+    while not os.path.exists(os.environ["RELEASE"]):
+        time.sleep(0.02)
+"""
+
+
+def test_an_abandoned_formation_leaves_the_ready_interpreters_to_the_reformation(
+    harness: Harness, tmp_path: Path
+) -> None:
+    write_probe(tmp_path)
+    (tmp_path / "preload").mkdir()
+    (tmp_path / "preload" / "gate.py").write_text(GATE)
+    release = tmp_path / "release"
+    env = base_env(PYTHONPATH=str(tmp_path / "preload"), RELEASE=str(release))
+    argv = build_argv("src/probe.py", ["exit:0"])
+    launches = [make_launch(tmp_path / "runs" / "w", lr, argv, env) for lr in (0, 1)]
+    pool = harness.pool(["gate"], depth=1, bounds=BOUNDS)
+    try:
+        pool.refill({ln.ranks.local_rank: (ln.argv, ln.env) for ln in launches})
+        deadline = time.monotonic() + READY_WITHIN
+        while pool.ready_count(0) < 1:
+            assert time.monotonic() < deadline, "local rank 0's interpreter was never ready"
+            time.sleep(0.02)
+        [ready0] = warm_pids(pool, 0)
+        assert pool.ready_count(1) == 0  # local rank 1 still imports
+
+        # The formation's start waits for local rank 1; the node comes back meanwhile and
+        # the loop is woken: that round is over before its workers trained.
+        back = threading.Event()
+        timer = threading.Timer(1.0, lambda: (back.set(), pool.poke()))
+        timer.start()
+        abandoned = harness.start(launches, pool=pool, cwd=tmp_path, interrupted=back)
+        timer.join()
+        assert ready0 not in abandoned.pids.values()
+        assert pool.ready_count(0) == 1 and warm_pids(pool, 0) == [ready0], (
+            "the abandoned round spent local rank 0's ready interpreter"
+        )
+        abandoned.stop(grace=1.0)
+
+        # The re-formation, with the node back: both workers start warm, local rank 0's
+        # from the interpreter the abandoned round left.
+        release.write_text("")
+        wait_ready(pool, [0, 1])
+        held = {lr: warm_pids(pool, lr) for lr in (0, 1)}
+        began = time.monotonic()
+        group = harness.start(launches, pool=pool, cwd=tmp_path)
+        took = time.monotonic() - began
+        assert group.pids[0] == ready0
+        assert [group.pids[1]] == held[1], "local rank 1 did not start warm"
+        assert took < WARM_START_WITHIN, f"the warm start took {took:.1f} s"
+        assert {lr: r.returncode for lr, r in harness.finish(group).items()} == {0: 0, 1: 0}
+    finally:
+        release.write_text("")
