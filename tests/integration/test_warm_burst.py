@@ -75,6 +75,18 @@ def _sleepy_pool(harness: Harness, tmp_path: Path) -> tuple[WarmPool, WorkerLaun
     return pool, launch
 
 
+def _pool_after_a_start(
+    harness: Harness, tmp_path: Path, ago: float
+) -> tuple[WarmPool, WorkerLaunch, Refill]:
+    """A full sleepy pool, and the agent's refill, whose last worker start was ``ago``
+    seconds ago (its interpreter replaced since: the pool is full)."""
+    pool, launch = _sleepy_pool(harness, tmp_path)
+    refill = Refill(pool)
+    refill.after_start([launch], time.monotonic() - ago)
+    assert pool.ready_count(0) == 2
+    return pool, launch, refill
+
+
 def _sleep_until(moment: float) -> None:
     time.sleep(max(0.0, moment - time.monotonic()))
 
@@ -82,12 +94,9 @@ def _sleep_until(moment: float) -> None:
 def test_a_reformation_right_after_a_formation_starts_warm(
     harness: Harness, tmp_path: Path
 ) -> None:
-    pool, launch = _sleepy_pool(harness, tmp_path)
-    refill = Refill(pool)
-    # The start that ended the fault before, 10 s ago: its interpreter was replaced since
-    # (the pool is full), so this burst's first start is the second within 20 s.
-    refill.after_start([launch], time.monotonic() - 10.0)
-    assert pool.ready_count(0) == 2
+    # The start that ended the fault before was 10 s ago: this burst's first start is the
+    # second within 20 s.
+    pool, launch, refill = _pool_after_a_start(harness, tmp_path, 10.0)
 
     first = time.monotonic()
     group = harness.start([launch], pool=pool, cwd=tmp_path)  # the fault's first round
@@ -118,9 +127,7 @@ def test_a_start_after_a_quiet_spell_still_defers_its_refill(
 ) -> None:
     # The deferral stays where it helps: a crash minutes into a quiet job, whose new
     # workers load their checkpoint and take their first step without an import beside.
-    pool, launch = _sleepy_pool(harness, tmp_path)
-    refill = Refill(pool)
-    refill.after_start([launch], time.monotonic() - 60.0)
+    pool, launch, refill = _pool_after_a_start(harness, tmp_path, 60.0)
     before = warm_pids(pool, 0)
     group = harness.start([launch], pool=pool, cwd=tmp_path)
     refill.after_start([launch], time.monotonic())
@@ -164,7 +171,12 @@ def test_an_abandoned_formation_leaves_the_ready_interpreters_to_the_reformation
         # The formation's start waits for local rank 1; the node comes back meanwhile and
         # the loop is woken: that round is over before its workers trained.
         back = threading.Event()
-        timer = threading.Timer(1.0, lambda: (back.set(), pool.poke()))
+
+        def node_back() -> None:  # what the agent's wake() does
+            back.set()
+            pool.poke()
+
+        timer = threading.Timer(1.0, node_back)
         timer.start()
         abandoned = harness.start(launches, pool=pool, cwd=tmp_path, interrupted=back)
         timer.join()
