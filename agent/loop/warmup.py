@@ -2,8 +2,9 @@
 
 A worker started from a warm interpreter skips its torch import (:mod:`agent.workers.warm`).
 The agent fills the pool before its first join, so a node that joins a running job does
-not make every other node wait for its imports, and refills it after each start without
-competing for the cores the new workers load their checkpoint on.
+not make every other node wait for its imports, and refills it after each start: after
+a start that follows a quiet spell, without competing for the cores the new workers load
+their checkpoint on; in a burst of starts, at once, so the next start finds one ready.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from agent.workers.launch import WorkerLaunch
 from agent.workers.warm import WarmPool
 from coordinator.torch_adapter.surface import RendezvousSurface
 
-__all__ = ["prepare_warm_pool", "refill_after_start"]
+__all__ = ["Refill", "prepare_warm_pool", "refill_defer"]
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,10 @@ _WARM_BEFORE_JOIN_S = 60.0
 # wait while another one is still ready: the new workers load their checkpoint and take
 # their first step without a torch import competing for the same cores.
 _REFILL_DEFER_S = 5.0
+# A start this soon after the one before is part of a burst (a node lost, then back; a
+# re-formation right after a formation; a second crash): the next start may come before a
+# deferred import would be done, and it would find no interpreter ready.
+_BURST_S = 20.0
 
 
 def prepare_warm_pool(
@@ -74,8 +79,33 @@ def prepare_warm_pool(
     )  # fmt: skip
 
 
-def refill_after_start(warm: WarmPool, launches: Sequence[WorkerLaunch]) -> None:
-    """Replace the interpreters the workers of ``launches`` took, for workers like them;
-    the imports of ranks that still have one ready wait a few seconds (the new workers
-    load their checkpoint meanwhile)."""
-    warm.refill({ln.ranks.local_rank: (ln.argv, ln.env) for ln in launches}, defer=_REFILL_DEFER_S)
+def refill_defer(now: float, previous_start: float | None) -> float:
+    """How long the imports replacing what a start at ``now`` took wait while their local
+    rank still has a ready interpreter: ``_REFILL_DEFER_S`` after a quiet spell (the
+    new workers load their checkpoint and take their first step meanwhile), none when
+    the start before was less than ``_BURST_S`` earlier. Pure.
+
+    Why a burst refills at once: with the default two interpreters per local rank, the
+    first start of a burst takes one and defers the replacement; the second takes the
+    last, and its replacement only then begins, so a third start within one import of the
+    second waited for that import (seconds of CPU per worker on a busy node), where an
+    import begun at the first start would have been ready.
+    """
+    if previous_start is not None and now - previous_start < _BURST_S:
+        return 0.0
+    return _REFILL_DEFER_S
+
+
+class Refill:
+    """Replaces the interpreters each worker start of this agent takes from the pool."""
+
+    def __init__(self, warm: WarmPool) -> None:
+        self._warm = warm
+        self._previous: float | None = None  # monotonic time of the last start
+
+    def after_start(self, launches: Sequence[WorkerLaunch], now: float) -> None:
+        """Replace the interpreters the workers of ``launches`` took, started at ``now``
+        (monotonic seconds), for workers like them (:func:`refill_defer` says when)."""
+        defer = refill_defer(now, self._previous)
+        self._previous = now
+        self._warm.refill({ln.ranks.local_rank: (ln.argv, ln.env) for ln in launches}, defer=defer)

@@ -32,9 +32,10 @@ from typing import Protocol, TextIO
 
 from agent.workers.launch import WorkerLaunch, WorkerRanks
 from agent.workers.logs import LinePump
-from agent.workers.starts import start_cold, start_warm
+from agent.workers.starts import start_cold, start_warm, warm_claims
 from agent.workers.state import WorkerState
 from agent.workers.warm import WarmPool
+from agent.workers.warm_interpreter import WarmInterpreter
 from coordinator.core.lifeline import Spawned
 from coordinator.core.settings import PASSWORD_ENV
 
@@ -245,11 +246,12 @@ class WorkerGroup:
         if self._started:
             raise RuntimeError("WorkerGroup.start: already started; make a new group")
         self._started = True
-        for launch in self._launches:
-            try:
-                self._start_one(launch)
-            except OSError as exc:
-                self._fail_start(launch, exc)
+        with warm_claims(self._warm, self._launches, self._interrupted) as claimed:
+            for launch in self._launches:
+                try:
+                    self._start_one(launch, claimed.pop(launch.ranks.local_rank, None))
+                except OSError as exc:
+                    self._fail_start(launch, exc)
         with self._lock:
             workers = list(self._workers)
         for worker in workers:
@@ -265,10 +267,8 @@ class WorkerGroup:
             f"{exc.strerror or exc}; check the program path (and --no-python)"
         ) from exc
 
-    def _start_one(self, launch: WorkerLaunch) -> None:
-        started = None
-        if self._warm is not None:
-            started = start_warm(self._warm, launch, self._interrupted)
+    def _start_one(self, launch: WorkerLaunch, warm: WarmInterpreter | None) -> None:
+        started = start_warm(warm, launch) if warm is not None else None
         spawned, sources = started if started is not None else start_cold(launch)
         worker = _Worker(launch, spawned)
         for source, plan, console in (

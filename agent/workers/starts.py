@@ -1,6 +1,7 @@
 """How one worker process is started: cold (a new interpreter through the lifeline) or
 warm (handed to a ready interpreter of :mod:`agent.workers.warm`), with its standard streams as
 the attempt's log plan says. Both return the process and where its piped output is read.
+A group's warm interpreters are claimed together (:func:`warm_claims`).
 """
 
 from __future__ import annotations
@@ -9,16 +10,18 @@ import contextlib
 import os
 import subprocess
 import threading
+from collections.abc import Iterator, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
 from agent.workers.logs import StreamPlan
-from agent.workers.warm import WarmPool
+from agent.workers.warm import WarmPool, hand_over
+from agent.workers.warm_interpreter import WarmInterpreter
 from coordinator.core.lifeline import Spawned, spawn
 
 if TYPE_CHECKING:
     from agent.workers.launch import WorkerLaunch
 
-__all__ = ["Sources", "start_cold", "start_warm"]
+__all__ = ["Sources", "start_cold", "start_warm", "warm_claims"]
 
 # Where a started worker's piped stdout and stderr are read (None: not piped).
 Sources = tuple[IO[bytes] | None, IO[bytes] | None]
@@ -75,10 +78,28 @@ def start_cold(launch: WorkerLaunch) -> tuple[Spawned, Sources]:
     return spawned, (proc.stdout, proc.stderr)
 
 
-def start_warm(
-    pool: WarmPool, launch: WorkerLaunch, interrupted: threading.Event | None
-) -> tuple[Spawned, Sources] | None:
-    """Start ``launch`` from ``pool``'s interpreter of its local rank; None: start it cold."""
+@contextlib.contextmanager
+def warm_claims(
+    pool: WarmPool | None, launches: Sequence[WorkerLaunch], interrupted: threading.Event | None
+) -> Iterator[dict[int, WarmInterpreter]]:
+    """The interpreters ``pool`` gives the group ``launches`` (:meth:`WarmPool.claim`),
+    by local rank; the caller pops each it hands over, and those left (a start failed
+    half way) are discarded on the way out."""
+    claimed = (
+        pool.claim({ln.ranks.local_rank: (ln.argv, ln.env) for ln in launches}, interrupted)
+        if pool is not None
+        else {}
+    )
+    try:
+        yield claimed
+    finally:
+        for warm in claimed.values():
+            warm.discard()
+
+
+def start_warm(warm: WarmInterpreter, launch: WorkerLaunch) -> tuple[Spawned, Sources] | None:
+    """Start ``launch`` from ``warm``, the interpreter claimed for its local rank; None:
+    it refused (start it cold)."""
     with contextlib.ExitStack() as after:
         fds: list[int] = [_devnull(after)]
         readers: list[IO[bytes] | None] = []
@@ -86,9 +107,9 @@ def start_warm(
             fd, reader = _stream_fd(plan, inherited, after)
             fds.append(fd)
             readers.append(reader)
-        spawned = pool.take(
-            launch.ranks.local_rank, launch.argv, launch.env, os.getcwd(),
-            (fds[0], fds[1], fds[2]), interrupted,
+        spawned = hand_over(
+            launch.ranks.local_rank, warm, launch.argv, launch.env, os.getcwd(),
+            (fds[0], fds[1], fds[2]),
         )  # fmt: skip
         if spawned is None:
             for reader in readers:

@@ -43,7 +43,15 @@ from agent.workers.warm_interpreter import (
 )
 from coordinator.core.lifeline import Spawned, spawn
 
-__all__ = ["LATE_KEYS", "ImportBounds", "WarmPool", "WarmTarget", "env_compatible", "warm_target"]
+__all__ = [
+    "LATE_KEYS",
+    "ImportBounds",
+    "WarmPool",
+    "WarmTarget",
+    "env_compatible",
+    "hand_over",
+    "warm_target",
+]
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +250,7 @@ class WarmPool:
             return full()
 
     def poke(self) -> None:
-        """Wake a :meth:`take` waiting for a process to be ready, to check its
+        """Wake a :meth:`claim` waiting for a process to be ready, to check its
         ``interrupted`` event again (thread-safe)."""
         with self._changed:
             self._changed.notify_all()
@@ -308,72 +316,57 @@ class WarmPool:
                 )  # fmt: skip
         return again
 
-    def take(
-        self, local_rank: int, argv: Sequence[str], env: Mapping[str, str], cwd: str,
-        streams: tuple[int, int, int], interrupted: threading.Event | None = None,
-    ) -> Spawned | None:  # fmt: skip
-        """Start the worker ``argv``/``env``/``cwd`` on ``streams`` (stdin, stdout,
-        stderr descriptors, which the caller still closes) from a process of
-        ``local_rank``; None if there is none or none fits (start it cold).
-
-        When every fitting process is still importing, the first to be ready is used
-        (it is ahead of a cold start), waiting up to 30 s or until ``interrupted`` is set
-        (then :meth:`poke`); one importing for longer than it should
-        (:class:`ImportBounds`) is not waited for.
-        """
-        target = warm_target(argv)
-        if target is None:
-            return None
-        warm = self._claim(local_rank, target, env, interrupted)
-        if warm is None:
-            return None
-        refused = warm.hand_over(target, argv, env, cwd, streams)
-        if refused is not None:
-            log.warning(
-                "warm start: local rank %d: the warm interpreter did not take the worker "
-                "(%s); starting it cold", local_rank, refused,
-            )  # fmt: skip
-            warm.discard()
-            return None
-        return Spawned(warm.spawned.process, tuple(argv))
-
-    def _claim(
+    def claim(
         self,
-        local_rank: int,
-        target: WarmTarget,
-        env: Mapping[str, str],
-        interrupted: threading.Event | None,
-    ) -> WarmInterpreter | None:
-        """Take a ready process of ``local_rank`` that fits out of the pool; when every
-        fitting one is still importing, the first to be ready, waiting up to
-        ``_READY_WAIT`` or until ``interrupted`` is set. None: there is none."""
+        wanted: Mapping[int, tuple[Sequence[str], Mapping[str, str]]],
+        interrupted: threading.Event | None = None,
+    ) -> dict[int, WarmInterpreter]:
+        """Take out of the pool, for each local rank of one worker group's ``wanted``
+        (argv, env), a ready process that fits; a rank without one is left out (its
+        worker starts cold). Hand each over with :func:`hand_over`, or discard it.
+
+        While a fitting process of some rank is still importing, every rank waits for it
+        (it is ahead of a cold start), up to 30 s; one importing for longer than it should
+        (:class:`ImportBounds`) is not waited for. When ``interrupted`` is set (then
+        :meth:`poke`) during that wait, none is taken: the loop was woken because the
+        round is over (a membership change, a stop), its workers start cold and are
+        stopped at once, and the ready processes stay for the next round. Taken one rank
+        at a time, the ranks ready first were spent on workers that never trained, and
+        the next round, seconds later, waited for their imports again.
+        """
+        targets = {
+            rank: (target, env)
+            for rank, (argv, env) in wanted.items()
+            if (target := warm_target(argv)) is not None
+        }
         with self._changed:
 
-            def ready() -> WarmInterpreter | None:
-                fitting = [w for w in self._slots.get(local_rank, []) if fits(w, target, env)]
-                return next((w for w in fitting if w.ready.is_set() and w.failed is None), None)
+            def ready(rank: int) -> WarmInterpreter | None:
+                target, env = targets[rank]
+                slot = self._slots.get(rank, [])
+                return next((w for w in slot if fits(w, target, env) and w.ready.is_set()), None)
 
-            def importing() -> bool:
+            def waiting() -> bool:  # a rank with none ready and a fitting one importing
                 return any(
-                    fits(w, target, env) and not w.ready.is_set() and not w.overdue
-                    for w in self._slots.get(local_rank, [])
+                    ready(rank) is None
+                    and any(
+                        fits(w, target, env) and not w.ready.is_set() and not w.overdue
+                        for w in self._slots.get(rank, [])
+                    )
+                    for rank, (target, env) in targets.items()
                 )
 
-            if ready() is None and not importing():
-                return None
-            self._changed.wait_for(
-                lambda: (
-                    ready() is not None
-                    or not importing()
-                    or (interrupted is not None and interrupted.is_set())
-                ),
-                timeout=_READY_WAIT,
-            )
-            warm = ready()
-            if warm is None:
-                return None
-            self._slots[local_rank].remove(warm)
-            return warm
+            def woken() -> bool:
+                return interrupted is not None and interrupted.is_set()
+
+            if waiting():
+                self._changed.wait_for(lambda: not waiting() or woken(), timeout=_READY_WAIT)
+                if waiting() and woken():
+                    return {}
+            taken = {rank: warm for rank in targets if (warm := ready(rank)) is not None}
+            for rank, warm in taken.items():
+                self._slots[rank].remove(warm)
+            return taken
 
     def close(self) -> None:
         """Stop every unused warm process. Idempotent."""
@@ -383,3 +376,25 @@ class WarmPool:
             self._slots = {}
         for warm in unused:
             warm.discard()
+
+
+def hand_over(
+    local_rank: int, warm: WarmInterpreter, argv: Sequence[str], env: Mapping[str, str],
+    cwd: str, streams: tuple[int, int, int],
+) -> Spawned | None:  # fmt: skip
+    """Start the worker ``argv``/``env``/``cwd`` on ``streams`` (stdin, stdout, stderr
+    descriptors, which the caller still closes) from ``warm``, which
+    :meth:`WarmPool.claim` took for ``local_rank``; None if it refused (it is
+    discarded: start the worker cold)."""
+    target = warm_target(argv)
+    refused = (
+        "no warm command" if target is None else warm.hand_over(target, argv, env, cwd, streams)
+    )
+    if refused is not None:
+        log.warning(
+            "warm start: local rank %d: the warm interpreter did not take the worker "
+            "(%s); starting it cold", local_rank, refused,
+        )  # fmt: skip
+        warm.discard()
+        return None
+    return Spawned(warm.spawned.process, tuple(argv))

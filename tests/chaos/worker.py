@@ -11,8 +11,9 @@ appends and the checkpoint is replaced atomically.
 History events (``src="worker"``; see ``agent/observe/journal.py`` for the common keys):
 
 ``worker_start`` {node, round, rank, local_rank, world, group_rank, group_world,
-agent_pid, restart_count, master}
+agent_pid, restart_count, master, warm}
     Before joining the process group (so a worker stuck there is still known by pid).
+    ``warm``: it began as one of the agent's warm interpreters (docs/warm-start.md).
 ``worker_ready`` {node, round, rank, world, start_step}
     The process group is up and the step count resumed.
 ``step`` {node, round, rank, world, step, begin}
@@ -189,6 +190,16 @@ def _train(cfg: WorkerConfig, history: JournalWriter) -> None:
         time.sleep(max(0.0, next_due - time.monotonic()))
 
 
+def started_warm() -> bool:
+    """Whether this worker began as one of the agent's warm interpreters: its process's
+    command line is the warm program's, not the script's (``sys.orig_argv`` is the
+    script's either way)."""
+    try:
+        return b"warm_process" in Path("/proc/self/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def main() -> int:
     """Run one worker until killed (or its deadline); returns the exit code."""
     cfg = WorkerConfig.from_env(os.environ)
@@ -203,6 +214,7 @@ def main() -> int:
         agent_pid=os.getppid(),
         restart_count=cfg.restart_count,
         master=cfg.master,
+        warm=started_warm(),
         **ids,
     )
     try:

@@ -1,0 +1,202 @@
+"""Worker starts in a burst find a warm interpreter ready (issue 21: the two
+``recovery_bound`` violations of the 200-fault chaos run).
+
+A node cut off from etcd past its lease comes back just after the others re-formed
+without it: each of them starts its workers twice within seconds, soon after the start
+that ended the fault before. Two ways that burst used to spend the interpreters:
+
+- with two interpreters per local rank, the first start of the burst took one and
+  deferred the import replacing it (the deferral lets a quiet job's new workers load
+  their checkpoint without an import on the same cores); the second took the last, and
+  its replacement only began then, so the third start waited for an import (seconds of
+  CPU per worker on a busy node) or started cold;
+- the round formed without the node is abandoned when it comes back, often while its
+  start still waits for one local rank's import: the ranks that had an interpreter ready
+  took it for workers stopped at once, and the round with the node, seconds later,
+  waited for their imports again.
+
+The imports are real interpreters that take ``IMPORT_S`` seconds to import (a preloaded
+module that sleeps: no CPU, so the test's timing does not depend on the machine's load).
+A warm start is proven by the started pid being one of the pool's ready interpreters,
+never by timing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from agent.loop.warmup import Refill
+from agent.workers.group import build_argv
+from agent.workers.launch import WorkerLaunch
+from agent.workers.warm import ImportBounds, WarmPool
+from tests.integration.test_warm_start import (
+    READY_WITHIN,
+    Harness,
+    base_env,
+    harness,
+    make_launch,
+    wait_ready,
+    warm_pids,
+    write_probe,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+__all__ = ["harness"]  # the fixture, shared with test_warm_start
+
+IMPORT_S = 6.0
+SLEEPY = f"import time\ntime.sleep({IMPORT_S})\n"
+# A sleeping import uses no CPU: never count it as stuck here.
+BOUNDS = ImportBounds(overdue_idle_s=120.0, kill_idle_s=240.0, kill_s=280.0)
+# The moments of the burst, after the first start of it (seconds): a formation, then the
+# re-formation whose start is judged. An import begun at the formation is not done by
+# then (its preload alone sleeps IMPORT_S); one begun at the first start is, with
+# IMPORT_S + 3 - IMPORT_S = 3 s to spare for an interpreter's start on a loaded machine.
+FORMATION_AT = 5.0
+REFORMATION_AT = FORMATION_AT + IMPORT_S - 2.0
+# A start from a ready interpreter is a handover over a socket: milliseconds.
+WARM_START_WITHIN = 3.0
+
+
+def _sleepy_pool(harness: Harness, tmp_path: Path) -> tuple[WarmPool, WorkerLaunch]:
+    """A full pool of two for local rank 0 whose imports take ``IMPORT_S``."""
+    write_probe(tmp_path)
+    (tmp_path / "preload").mkdir()
+    (tmp_path / "preload" / "sleepy.py").write_text(SLEEPY)
+    env = base_env(PYTHONPATH=str(tmp_path / "preload"))
+    launch = make_launch(tmp_path / "runs" / "w", 0, build_argv("src/probe.py", ["exit:0"]), env)
+    pool = harness.pool(["sleepy"], depth=2, bounds=BOUNDS)
+    pool.refill({0: (launch.argv, launch.env)}, at_once=True)
+    assert pool.wait_ready(READY_WITHIN, every=2), "the pool did not fill"
+    return pool, launch
+
+
+def _pool_after_a_start(
+    harness: Harness, tmp_path: Path, ago: float
+) -> tuple[WarmPool, WorkerLaunch, Refill]:
+    """A full sleepy pool, and the agent's refill, whose last worker start was ``ago``
+    seconds ago (its interpreter replaced since: the pool is full)."""
+    pool, launch = _sleepy_pool(harness, tmp_path)
+    refill = Refill(pool)
+    refill.after_start([launch], time.monotonic() - ago)
+    assert pool.ready_count(0) == 2
+    return pool, launch, refill
+
+
+def _sleep_until(moment: float) -> None:
+    time.sleep(max(0.0, moment - time.monotonic()))
+
+
+def test_a_reformation_right_after_a_formation_starts_warm(
+    harness: Harness, tmp_path: Path
+) -> None:
+    # The start that ended the fault before was 10 s ago: this burst's first start is the
+    # second within 20 s.
+    pool, launch, refill = _pool_after_a_start(harness, tmp_path, 10.0)
+
+    first = time.monotonic()
+    group = harness.start([launch], pool=pool, cwd=tmp_path)  # the fault's first round
+    refill.after_start([launch], first)
+    assert harness.finish(group)[0].returncode == 0
+
+    _sleep_until(first + FORMATION_AT)  # the others re-form without the node
+    group = harness.start([launch], pool=pool, cwd=tmp_path)
+    refill.after_start([launch], time.monotonic())
+    assert harness.finish(group)[0].returncode == 0
+
+    _sleep_until(first + REFORMATION_AT)  # ... and again with it, back
+    held = warm_pids(pool, 0)
+    assert pool.ready_count(0) >= 1, (
+        "no interpreter ready for the re-formation: the import replacing the first start's "
+        "began only at the formation"
+    )
+    began = time.monotonic()
+    group = harness.start([launch], pool=pool, cwd=tmp_path)
+    took = time.monotonic() - began
+    assert group.pids[0] in held, "the re-formation's worker did not start warm"
+    assert took < WARM_START_WITHIN, f"the warm start took {took:.1f} s"
+    assert harness.finish(group)[0].returncode == 0
+
+
+def test_a_start_after_a_quiet_spell_still_defers_its_refill(
+    harness: Harness, tmp_path: Path
+) -> None:
+    # The deferral stays where it helps: a crash minutes into a quiet job, whose new
+    # workers load their checkpoint and take their first step without an import beside.
+    pool, launch, refill = _pool_after_a_start(harness, tmp_path, 60.0)
+    before = warm_pids(pool, 0)
+    group = harness.start([launch], pool=pool, cwd=tmp_path)
+    refill.after_start([launch], time.monotonic())
+    time.sleep(1.0)
+    assert warm_pids(pool, 0) == [p for p in before if p != group.pids[0]], (
+        "an import began during the deferral after a quiet spell"
+    )
+    assert harness.finish(group)[0].returncode == 0
+
+
+# Local rank 1's import waits for the file RELEASE names (no CPU: BOUNDS never give it up);
+# local rank 0's is done at once.
+GATE = """
+import os, time
+if os.environ.get("LOCAL_RANK") == "1":
+    while not os.path.exists(os.environ["RELEASE"]):
+        time.sleep(0.02)
+"""
+
+
+def test_an_abandoned_formation_leaves_the_ready_interpreters_to_the_reformation(
+    harness: Harness, tmp_path: Path
+) -> None:
+    write_probe(tmp_path)
+    (tmp_path / "preload").mkdir()
+    (tmp_path / "preload" / "gate.py").write_text(GATE)
+    release = tmp_path / "release"
+    env = base_env(PYTHONPATH=str(tmp_path / "preload"), RELEASE=str(release))
+    argv = build_argv("src/probe.py", ["exit:0"])
+    launches = [make_launch(tmp_path / "runs" / "w", lr, argv, env) for lr in (0, 1)]
+    pool = harness.pool(["gate"], depth=1, bounds=BOUNDS)
+    try:
+        pool.refill({ln.ranks.local_rank: (ln.argv, ln.env) for ln in launches})
+        deadline = time.monotonic() + READY_WITHIN
+        while pool.ready_count(0) < 1:
+            assert time.monotonic() < deadline, "local rank 0's interpreter was never ready"
+            time.sleep(0.02)
+        [ready0] = warm_pids(pool, 0)
+        assert pool.ready_count(1) == 0  # local rank 1 still imports
+
+        # The formation's start waits for local rank 1; the node comes back meanwhile and
+        # the loop is woken: that round is over before its workers trained.
+        back = threading.Event()
+
+        def node_back() -> None:  # what the agent's wake() does
+            back.set()
+            pool.poke()
+
+        timer = threading.Timer(1.0, node_back)
+        timer.start()
+        abandoned = harness.start(launches, pool=pool, cwd=tmp_path, interrupted=back)
+        timer.join()
+        assert ready0 not in abandoned.pids.values()
+        assert pool.ready_count(0) == 1 and warm_pids(pool, 0) == [ready0], (
+            "the abandoned round spent local rank 0's ready interpreter"
+        )
+        abandoned.stop(grace=1.0)
+
+        # The re-formation, with the node back: both workers start warm, local rank 0's
+        # from the interpreter the abandoned round left.
+        release.write_text("")
+        wait_ready(pool, [0, 1])
+        held = {lr: warm_pids(pool, lr) for lr in (0, 1)}
+        began = time.monotonic()
+        group = harness.start(launches, pool=pool, cwd=tmp_path)
+        took = time.monotonic() - began
+        assert group.pids[0] == ready0
+        assert [group.pids[1]] == held[1], "local rank 1 did not start warm"
+        assert took < WARM_START_WITHIN, f"the warm start took {took:.1f} s"
+        assert {lr: r.returncode for lr, r in harness.finish(group).items()} == {0: 0, 1: 0}
+    finally:
+        release.write_text("")
