@@ -113,6 +113,7 @@ class CoordinatorDuty:
         events: where a leader's joins, rounds and departures go (the run's timeline;
             written in the background, never waited for). None: not recorded.
         on_key_gone: told (must not block) when its key was deleted under a live lease.
+        before_commit: called as a term starts and before each commit (the run's lease).
     """
 
     def __init__(
@@ -127,15 +128,12 @@ class CoordinatorDuty:
         on_death: DeathListener | None = None,
         events: EventLog | None = None,
         on_key_gone: Callable[[Membership], None] = lambda _me: None,
+        before_commit: Callable[[], None] = lambda: None,
     ) -> None:
-        self._events, self._on_key_gone = events, on_key_gone
-        self._client = client
-        self._keys = keys
-        self._view = view
-        self._limits = limits
-        self._membership = membership
-        self._clock = clock
-        self._wall_ms = wall_ms
+        self._events, self._on_key_gone, self._before_commit = events, on_key_gone, before_commit
+        self._client, self._keys, self._view = client, keys, view
+        self._limits, self._membership = limits, membership
+        self._clock, self._wall_ms = clock, wall_ms
         self._stop = threading.Event()
         self._signal = _Signal()
         self._nodes = NodeWatch(client, keys.nodes_prefix, self._signal.set)
@@ -250,11 +248,13 @@ class CoordinatorDuty:
         """
         log.info("node %s coordinates run %s", me.node_id, self._keys.run_id)
         executor = StateExecutor(
-            self._client, self._keys, written_by=me.node_id, wall_ms=self._wall_ms
-        )
+            self._client, self._keys, written_by=me.node_id, wall_ms=self._wall_ms,
+            before_write=self._before_commit,
+        )  # fmt: skip
         term = _Term(
             executor, Fence(me.key, me.create_revision), EventRecorder(me.node_id, self._wall_ms)
         )
+        self._before_commit()  # off the joins' path: a new run's lease, granted early
         self._nodes.start()
         self.is_leader = True
         try:
