@@ -192,7 +192,7 @@ class CoordinatorDuty:
 
     def _wait_for_turn(self, me: Membership) -> bool:
         """Block until no live node key is older than ours; False if we should re-check."""
-        older, _ = self._client.get_prefix(
+        older, revision = self._client.get_prefix(
             self._keys.nodes_prefix,
             sort_by_create=True,
             descending=True,
@@ -220,16 +220,14 @@ class CoordinatorDuty:
             log.info("coordinator duty: watch of predecessor ended (%s); re-checking", error)
             on_compacted(0)
 
-        watch, (kv, _) = self._client.watch_then_read(
-            predecessor,
-            lambda: self._client.get(predecessor),
-            on_events,
-            on_compacted,
-            on_error=on_error,
+        # From the read's revision on: a delete since then is delivered (up to 100 ms
+        # late, etcd's catch-up of a watch that starts in the past), with no second read
+        # and no wait for etcd's confirmation: every node but the leader does this while
+        # the others join (one round trip less each, off the formation's CPU).
+        watch = self._client.watch(
+            predecessor, revision + 1, on_events, on_compacted, on_error=on_error
         )
         try:
-            if kv is None:
-                return False
             while not (self._stop.is_set() or gone.is_set()):
                 current = self._membership()
                 if current is None or current.create_revision != me.create_revision:
