@@ -113,6 +113,7 @@ class CoordinatorDuty:
         events: where a leader's joins, rounds and departures go (the run's timeline;
             written in the background, never waited for). None: not recorded.
         on_key_gone: told (must not block) when its key was deleted under a live lease.
+        before_commit: called as a term starts and before each commit (the run's lease).
     """
 
     def __init__(
@@ -127,15 +128,12 @@ class CoordinatorDuty:
         on_death: DeathListener | None = None,
         events: EventLog | None = None,
         on_key_gone: Callable[[Membership], None] = lambda _me: None,
+        before_commit: Callable[[], None] = lambda: None,
     ) -> None:
-        self._events, self._on_key_gone = events, on_key_gone
-        self._client = client
-        self._keys = keys
-        self._view = view
-        self._limits = limits
-        self._membership = membership
-        self._clock = clock
-        self._wall_ms = wall_ms
+        self._events, self._on_key_gone, self._before_commit = events, on_key_gone, before_commit
+        self._client, self._keys, self._view = client, keys, view
+        self._limits, self._membership = limits, membership
+        self._clock, self._wall_ms = clock, wall_ms
         self._stop = threading.Event()
         self._signal = _Signal()
         self._nodes = NodeWatch(client, keys.nodes_prefix, self._signal.set)
@@ -194,7 +192,7 @@ class CoordinatorDuty:
 
     def _wait_for_turn(self, me: Membership) -> bool:
         """Block until no live node key is older than ours; False if we should re-check."""
-        older, _ = self._client.get_prefix(
+        older, revision = self._client.get_prefix(
             self._keys.nodes_prefix,
             sort_by_create=True,
             descending=True,
@@ -222,16 +220,14 @@ class CoordinatorDuty:
             log.info("coordinator duty: watch of predecessor ended (%s); re-checking", error)
             on_compacted(0)
 
-        watch, (kv, _) = self._client.watch_then_read(
-            predecessor,
-            lambda: self._client.get(predecessor),
-            on_events,
-            on_compacted,
-            on_error=on_error,
+        # From the read's revision on: a delete since then is delivered (up to 100 ms
+        # late, etcd's catch-up of a watch that starts in the past), with no second read
+        # and no wait for etcd's confirmation: every node but the leader does this while
+        # the others join (one round trip less each, off the formation's CPU).
+        watch = self._client.watch(
+            predecessor, revision + 1, on_events, on_compacted, on_error=on_error
         )
         try:
-            if kv is None:
-                return False
             while not (self._stop.is_set() or gone.is_set()):
                 current = self._membership()
                 if current is None or current.create_revision != me.create_revision:
@@ -250,11 +246,13 @@ class CoordinatorDuty:
         """
         log.info("node %s coordinates run %s", me.node_id, self._keys.run_id)
         executor = StateExecutor(
-            self._client, self._keys, written_by=me.node_id, wall_ms=self._wall_ms
-        )
+            self._client, self._keys, written_by=me.node_id, wall_ms=self._wall_ms,
+            before_write=self._before_commit,
+        )  # fmt: skip
         term = _Term(
             executor, Fence(me.key, me.create_revision), EventRecorder(me.node_id, self._wall_ms)
         )
+        self._before_commit()  # off the joins' path: a new run's lease, granted early
         self._nodes.start()
         self.is_leader = True
         try:

@@ -97,6 +97,8 @@ class StateExecutor:
         keys: the run's keys.
         written_by: recorded in every state written (a node id, or ``rdzvctl@host``).
         wall_ms: wall-clock milliseconds, recorded for operators and gc only.
+        before_write: called before each write (an agent's: the run's lease exists, see
+            :mod:`coordinator.core.run_lease`; may make RPCs); its errors are the write's.
     """
 
     def __init__(
@@ -106,11 +108,13 @@ class StateExecutor:
         *,
         written_by: str,
         wall_ms: Callable[[], int] = lambda: int(time.time() * 1000),
+        before_write: Callable[[], None] = lambda: None,
     ) -> None:
         self._client = client
         self._keys = keys
         self._written_by = written_by
         self._wall_ms = wall_ms
+        self._before_write = before_write
 
     def read(self) -> tuple[RdzvState, int]:
         """The stored state and its mod_revision (absent: the initial state, 0).
@@ -137,6 +141,7 @@ class StateExecutor:
         whole store when this write starts a new incarnation (every node of the old one
         has left).
         """
+        self._before_write()
         state, mod_revision = known
         new = apply(state, actions, written_by=self._written_by, now_unix_ms=self._wall_ms())
         stale = (

@@ -42,6 +42,8 @@ class Participation:
         on_death: told when a background thread of this participation dies.
         clock: monotonic seconds.
         events: the run's timeline, for the duty (None: not recorded).
+        before_commit: called with the view as the duty's terms start and before its
+            commits (the handler's: the run's lease, :mod:`coordinator.core.run_lease`).
     """
 
     def __init__(
@@ -56,6 +58,7 @@ class Participation:
         on_death: DeathListener,
         clock: Callable[[], float],
         events: EventLog | None = None,
+        before_commit: Callable[[StateView], None] = lambda _view: None,
     ) -> None:
         self.node_id, self._run_id = node_id, keys.run_id
         self._on_change = on_change
@@ -65,6 +68,7 @@ class Participation:
         self.duty = CoordinatorDuty(
             client, keys, self.view, limits, self.member.current,
             clock=clock, on_death=on_death, events=events, on_key_gone=self._key_gone,
+            before_commit=lambda: before_commit(self.view),
         )  # fmt: skip
 
     def start(self) -> None:

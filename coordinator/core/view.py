@@ -79,6 +79,7 @@ class StateView:
         self._cond = threading.Condition()
         self._state = RdzvState()  # the last good state (kept while unreadable or deleted)
         self._mod_revision = 0  # 0: the key is absent now
+        self._lease = 0  # the lease of the value last read or watched (0: none, absent)
         self._seen_revision = 0  # highest etcd revision reflected (changes or not)
         self._error: CorruptValueError | None = None
         self._listeners = Listeners()
@@ -211,10 +212,10 @@ class StateView:
                         "the coordinator to write back",
                         self._key_text, self._state.round,
                     )  # fmt: skip
-                self._mod_revision = 0
+                self._mod_revision = self._lease = 0
                 self._clear_error()
             else:
-                self._mod_revision = kv.mod_revision
+                self._mod_revision, self._lease = kv.mod_revision, kv.lease
                 try:
                     state = decode_state(self._key_text, kv.value)
                 except CorruptValueError as exc:
@@ -290,6 +291,12 @@ class StateView:
             if self._error is not None:
                 raise self._error
             return self._state, self._mod_revision, self._seen_revision
+
+    def lease(self) -> int:
+        """The lease the state key was on when etcd last showed it to this view (read or
+        watched; not changed by :meth:`offer_written`); 0: absent, or on no lease."""
+        with self._cond:
+            return self._lease
 
     def peek(self) -> RdzvState:
         """The last good state, never raising (for ``num_nodes_waiting`` and ``is_closed``

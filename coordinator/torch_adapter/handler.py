@@ -138,7 +138,10 @@ class EtcdRendezvousHandler(RendezvousNode, RendezvousHandler):
                 and exit non-zero) or ``drain`` (finish the current attempt, then exit 0).
         """
         view = self._presence.participation().view
-        executor = StateExecutor(self._etcd(), self._keys, written_by=self.node_id)
+        executor = StateExecutor(
+            self._etcd(), self._keys, written_by=self.node_id,
+            before_write=lambda: self._presence.run_lease_ready(view),
+        )  # fmt: skip
         outcome = executor.close(
             reason,
             mode=mode,

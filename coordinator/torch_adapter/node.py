@@ -149,7 +149,10 @@ class RendezvousNode:
         """Commit ``decide``'s actions in one guarded write, decided from ``view`` (a lost
         race decides again from the winner's value); the state written, or None when the
         decision wrote nothing."""
-        executor = StateExecutor(self._etcd(), self._keys, written_by=self.node_id)
+        executor = StateExecutor(
+            self._etcd(), self._keys, written_by=self.node_id,
+            before_write=lambda: self._presence.run_lease_ready(view),
+        )  # fmt: skip
         commit = executor.update(decide, known=view.snapshot(), on_conflict=view.offer)
         if commit is None:
             return None

@@ -116,10 +116,14 @@ class RunPresence:
         parts = Participation(
             self._etcd(), self._keys, self._node_id, self._settings.lease_ttl, self._limits,
             on_change=self._on_change, on_death=self.on_thread_death, clock=self._clock,
-            events=self.event_log(),
+            events=self.event_log(), before_commit=self.run_lease_ready,
         )  # fmt: skip
+        # No round trip for the run's lease on the way to the node's key: the folder is
+        # bound now, the lease kept alive once a state is read on it (or granted by the
+        # coordinator before its first commit).
+        self._run_lease.bind(self._etcd())
+        parts.view.subscribe(lambda: self._follow_run_lease(parts.view))
         try:
-            self._run_lease.start(self._etcd(), self._on_run_lease_lost)
             parts.view.start()
         except BaseException:
             parts.close()  # its duty never started and it holds no lease: nothing leaks
@@ -214,6 +218,23 @@ class RunPresence:
 
         threading.Thread(target=teardown, name="rdzv-rejoin", daemon=True).start()
 
+    def run_lease_ready(self, view: StateView) -> None:
+        """Before this node writes the run's state: the run's lease exists and this node
+        keeps it alive. Followed, without a grant, when ``view`` read a state on it; else
+        granted if absent (the coordinator of a new run; a node closing a run that has no
+        state yet). No RPC once kept; else RPCs: call it outside any lock."""
+        if view.lease() == self._run_lease.id:
+            self._run_lease.follow(self._etcd(), self._on_run_lease_lost)
+        else:
+            self._run_lease.ensure(self._etcd(), self._on_run_lease_lost)
+
+    def _follow_run_lease(self, view: StateView) -> None:
+        # A listener of the view (on its watch thread): no RPC, never blocks. A node that
+        # read a state on the run's lease keeps the lease alive from then on, so the
+        # state cannot vanish under a node of the run.
+        if self._run_lease.id and view.lease() == self._run_lease.id:
+            self._run_lease.follow(self._etcd(), self._on_run_lease_lost)
+
     def _on_run_lease_lost(self, error: LeaseLostError) -> None:
         # The run's keys are gone with its lease: leave and join again from scratch.
         self.on_thread_death(ThreadDied(f"etcd-keepalive-{self._run_lease.id:x}", error))
@@ -242,6 +263,8 @@ class RunPresence:
         me = parts.member.current()
         if me is None or parts.member.lost():
             return  # no key, or the lease ended already: that is what the others see
+        if not self._run_lease.writable():
+            return  # no state on the run's lease seen (no round to leave), or it is gone
         state = parts.view.peek()
         drained = self._node_id in state.draining
         record_event(
