@@ -82,6 +82,7 @@ class KeepAlive:
         on_unreachable: OnUnreachable | None = None,
         on_reachable: OnReachable | None = None,
         granted_at: float | None = None,
+        first_in: float = 0.0,
     ) -> None:
         self.lease_id = lease_id
         self.ttl = ttl
@@ -105,8 +106,12 @@ class KeepAlive:
         self._probe_next = granted_at is None
         # The grant renewed the lease: its first keep-alive is due a pace after the grant,
         # as after an answer (at once, a formation of N nodes would renew N leases etcd
-        # granted a moment before); on any later stream, at once (_due).
-        self._fresh_until = 0.0 if granted_at is None else granted_at + pace(self.interval)
+        # granted a moment before); else ``first_in`` from now; on any later stream, at
+        # once (_due).
+        if granted_at is not None:
+            self._fresh_until = granted_at + pace(self.interval)
+        else:
+            self._fresh_until = client._clock() + first_in if first_in > 0 else 0.0
         # Where this lease last got an answer (None while reconnecting), for diagnostics.
         self.endpoint: str | None = None
         self._slot = 0  # its number on the client's keep-alive stream (set when added)
