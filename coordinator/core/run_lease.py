@@ -71,6 +71,12 @@ log = logging.getLogger(__name__)
 _ENSURE_TRIES = 3
 # A leaving agent's last renewal waits at most this long for etcd.
 _LAST_RENEWAL_BUDGET = 2.0
+# A node that starts to follow the lease sends its first keep-alive this long after (at
+# most a sixth of its own TTL): the commit that shows the lease reaches every node at
+# once, and N keep-alives then would compete with the nodes' return from the formation.
+# Safe: the lease lives at least 2/3 of its TTL (never under 2 s) after any renewal of
+# the node that granted it, and nothing else needs the answer sooner.
+_FOLLOW_FIRST_S = 1.0
 
 
 def run_lease_id(keys: RunKeys) -> int:
@@ -192,13 +198,13 @@ class RunLease:
 
     def follow(self, client: EtcdClient, on_lost: Callable[[LeaseLostError], None]) -> None:
         """Keep alive the run's lease, known to exist (this node read a state on it):
-        no grant, no RPC here (the keep-alive's first renewal goes out at once, on the
-        client's stream, and its answer sets the TTL in force). A no-op while it is kept
+        no grant, no RPC here (the first renewal goes out on the client's stream about a
+        second later, and its answer sets the TTL in force). A no-op while it is kept
         alive, and after :meth:`stop`. ``on_lost``: see :meth:`ensure`. Never blocks: a
         listener of the state's view may call it."""
         if not self.id or self._kept():
             return
-        self._keep(client, self.ttl, None, on_lost)
+        self._keep(client, self.ttl, None, on_lost, first_in=min(_FOLLOW_FIRST_S, self.ttl / 6))
 
     def ensure(self, client: EtcdClient, on_lost: Callable[[LeaseLostError], None]) -> None:
         """Make sure the lease exists and keep it alive, before this node writes the run's
@@ -226,6 +232,7 @@ class RunLease:
         ttl: int,
         granted_at: float | None,
         on_lost: Callable[[LeaseLostError], None],
+        first_in: float = 0.0,
     ) -> None:
         """Start the keep-alive (a loser of a race with another thread closes its own)."""
         holder: list[KeepAlive] = []
@@ -242,7 +249,7 @@ class RunLease:
                     )
                 )
 
-        keepalive = client.keep_alive(self.id, ttl, lost, granted_at=granted_at)
+        keepalive = client.keep_alive(self.id, ttl, lost, granted_at=granted_at, first_in=first_in)
         holder.append(keepalive)
         with self._lock:
             if self._stopped or (self._keepalive is not None and not self._keepalive.lost()):

@@ -50,6 +50,9 @@ _REWATCH_CAP_S = 5.0
 # How long one re-watch waits for etcd to confirm it: short, so that close() (which joins
 # the re-watch thread) never waits out a whole retry budget during an outage.
 _REWATCH_CONFIRM_S = 5.0
+# The re-watch jitter's source, shared: a Random of each view's own is seeded from the
+# OS (a system call and about 40 us on every join's path, for a jitter rarely drawn).
+_JITTER = random.Random()
 
 
 class StateView:
@@ -75,7 +78,7 @@ class StateView:
         self._key = key
         self._key_text = key.decode(errors="replace")
         self._on_death = on_death
-        self._rng = rng or random.Random()
+        self._rng = rng or _JITTER
         self._cond = threading.Condition()
         self._state = RdzvState()  # the last good state (kept while unreadable or deleted)
         self._mod_revision = 0  # 0: the key is absent now

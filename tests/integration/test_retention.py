@@ -236,14 +236,14 @@ def test_writes_under_a_bound_prefix_go_on_its_lease_unless_they_name_one(
         client.delete_prefix(f"/retention-test/{run_id}".encode())
 
 
-def test_the_first_agent_grants_the_run_lease_and_the_others_find_it(
+def test_the_coordinator_grants_the_run_lease_once_and_renews_the_one_in_force(
     client: EtcdClient, run_id: str
 ) -> None:
     lease = run_lease_id(RunKeys(DEFAULT_KEY_PREFIX, run_id))
     assert client.lease_refresh(lease) == 0  # absent: nothing renewed
     assert ensure_run_lease(client, lease, 30) == 30  # granted
     assert client.lease_grant_if_absent(lease, 30) == 0  # exists: not granted again
-    # Another agent with another retention renews the lease in force, its TTL kept.
+    # A later coordinator with another retention renews the lease in force, its TTL kept.
     assert ensure_run_lease(client, lease, 90) == 30
     assert 28 <= client.lease_time_to_live(lease) <= 30
     client.lease_revoke(lease)

@@ -267,6 +267,7 @@ class EtcdClient(_KV):
         on_unreachable: OnUnreachable | None = None,
         on_reachable: OnReachable | None = None,
         granted_at: float | None = None,
+        first_in: float = 0.0,
     ) -> KeepAlive:
         """Keep the lease alive until closed or lost, on the client's one long-lived
         keep-alive stream (shared by all its leases; the first lease opens it).
@@ -283,12 +284,14 @@ class EtcdClient(_KV):
           (default: an info line).
 
         ``granted_at``: monotonic time just before the grant was sent (default: now),
-        from which the lease surely lives ``ttl``.
+        from which the lease surely lives ``ttl``; its first keep-alive goes out about
+        ``ttl / 3`` after it. Without it, ``first_in`` seconds from now (default: at once).
         """
         self._check_open()
         keepalive = KeepAlive(
             self, lease_id, ttl, on_lost,
             on_unreachable=on_unreachable, on_reachable=on_reachable, granted_at=granted_at,
+            first_in=first_in,
         )  # fmt: skip
         with self._lock:
             self._keepalives.add(keepalive)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from coordinator.core.errors import EtcdConnectionError
 from coordinator.core.etcd_client._liveness import Change, LeaseState, Liveness, Outage
+from coordinator.core.etcd_client._schedule import pace
 
 if TYPE_CHECKING:
     from coordinator.core.etcd_client._client import EtcdClient
@@ -33,7 +34,8 @@ class KeepAlive:
 
     Every lease of a client is kept alive on the client's one long-lived keep-alive stream
     (as etcd's Go client does), read by one guarded thread: a lease's next keep-alive goes
-    out about ``ttl / 3`` after etcd answered the previous one. A keep-alive left
+    out about ``ttl / 3`` after etcd answered the previous one (its first, about ``ttl / 3``
+    after its grant when ``granted_at`` is given; else at once). A keep-alive left
     unanswered for an interval makes the member hung, and the stream, with every lease on
     it, is reopened on the next endpoint, if the member answered nothing else on this
     client since it went out or the lease's guarantee runs out within an interval
@@ -80,6 +82,7 @@ class KeepAlive:
         on_unreachable: OnUnreachable | None = None,
         on_reachable: OnReachable | None = None,
         granted_at: float | None = None,
+        first_in: float = 0.0,
     ) -> None:
         self.lease_id = lease_id
         self.ttl = ttl
@@ -101,6 +104,14 @@ class KeepAlive:
         # Whether the next stream must probe before it opens: every one but the first after
         # a grant, whose answer is etcd's fresh word on the lease over a channel that works.
         self._probe_next = granted_at is None
+        # The grant renewed the lease: its first keep-alive is due a pace after the grant,
+        # as after an answer (at once, a formation of N nodes would renew N leases etcd
+        # granted a moment before); else ``first_in`` from now; on any later stream, at
+        # once (_due).
+        if granted_at is not None:
+            self._fresh_until = granted_at + pace(self.interval)
+        else:
+            self._fresh_until = client._clock() + first_in if first_in > 0 else 0.0
         # Where this lease last got an answer (None while reconnecting), for diagnostics.
         self.endpoint: str | None = None
         self._slot = 0  # its number on the client's keep-alive stream (set when added)
@@ -157,6 +168,12 @@ class KeepAlive:
                 log.warning("could not revoke lease %x (it expires by TTL): %s", self.lease_id, exc)
 
     # -- what the stream tells it (on the stream's threads) -------------------------------
+
+    def _due(self, now: float) -> float:
+        """When its first keep-alive is due on the stream it joins at ``now``."""
+        with self._lock:
+            due, self._fresh_until = max(now, self._fresh_until), 0.0
+        return due
 
     def _joined(self) -> int:
         """The lease joins a new stream; its number there, for :meth:`_sent`."""

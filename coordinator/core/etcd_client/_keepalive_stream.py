@@ -129,7 +129,7 @@ class _KeepAliveStream:
 
     @staticmethod
     def _join(op: OnStream, keepalive: KeepAlive, now: float) -> None:
-        op.join(keepalive._slot, keepalive._joined(), keepalive.interval, now)
+        op.join(keepalive._slot, keepalive._joined(), keepalive.interval, keepalive._due(now))
 
     # -- the thread -----------------------------------------------------------------------
 

@@ -79,7 +79,8 @@ class Schedule:
         return lease in self._next
 
     def add(self, lease: int, interval: float, now: float) -> None:
-        """``lease`` joins the stream at ``now``; its first keep-alive is due at once."""
+        """``lease`` joins the stream; its first keep-alive is due at ``now`` (the join, or
+        for a lease granted just before, a pace after its grant: ``KeepAlive._due``)."""
         self._intervals[lease] = interval
         self._set(lease, now, Step.SEND)
 
