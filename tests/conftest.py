@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import threading
 import uuid
 from collections.abc import Iterator
@@ -18,6 +19,18 @@ import pytest
 
 from coordinator.etcd_server import EtcdCluster, etcd_version, find_etcd_binary, wheel_etcd_binary
 from tests.etcd_containers import EtcdContainers, container_engine_problem, etcd_mode
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Undo an inherited ``SIGINT`` ignore before any test starts a process.
+
+    A shell starts a background job (``scripts/test &``, ``nohup``) with ``SIGINT``
+    ignored, and an ignored signal stays ignored through ``exec``: every agent and worker
+    a test starts would then ignore Ctrl-C, and the tests of what Ctrl-C does fail for
+    how the suite was launched. Python's own default is what a terminal gives.
+    """
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _test_binary() -> Path:
