@@ -18,7 +18,8 @@ stdout (every event carries ``t``, a ``time.monotonic()`` stamp, system-wide on 
   worker of local rank 0 exits with ``code`` / every worker stops reporting progress;
   answered ``{"event": "done", "id", "agent", "t"}``;
 - ``{"cmd": "finish", "id"}``: every running worker of this process exits 0 (the
-  training is over); answered ``{"event": "finished", "id", "t"}``;
+  training is over), and so does every worker started later; answered
+  ``{"event": "finished", "id", "t"}``;
 - ``{"cmd": "release", "id"}``: agents whose ``run()`` returned are let go (their client
   closed); answered ``{"event": "released", "id"}``;
 - ``{"cmd": "stats", "id"}``: ``{"event": "stats", "id", "cpu_s", "threads"}``;
@@ -229,6 +230,7 @@ class Host:
 
     def finish(self) -> None:
         for sim in self._sims.values():
+            sim.launcher.finished = True  # and a group started later ends at once too
             group = sim.launcher.group
             if group is not None and not sim.done:
                 group.exit_all(0)

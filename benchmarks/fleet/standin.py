@@ -146,6 +146,9 @@ class StandInGroup(WorkerGroup):
         trainer: steps the workers while they run.
         on_start, on_stop: told of the group once its workers run, and once the agent
             stopped them (the fleet process reports both).
+        over: whether the training is over: workers started after that exit 0 at once,
+            as a training script that finds its last checkpoint does (an agent that
+            re-formed after the harness's ``finish`` would otherwise train for ever).
     """
 
     def __init__(
@@ -155,9 +158,11 @@ class StandInGroup(WorkerGroup):
         trainer: Trainer,
         on_start: Callable[[StandInGroup], None],
         on_stop: Callable[[StandInGroup], None],
+        over: Callable[[], bool] = lambda: False,
     ) -> None:
         super().__init__(launches, wake)
         self._trainer = trainer
+        self._over = over
         self._on_start = on_start
         self._on_stop = on_stop
         self._notify = wake
@@ -183,6 +188,8 @@ class StandInGroup(WorkerGroup):
         for worker in self._standins:
             self._trainer.add(worker)
         self._on_start(self)
+        if self._over():
+            self.exit_all(0)
 
     @property
     def pids(self) -> dict[int, int]:
@@ -280,6 +287,8 @@ class StandInLauncher:
         self._on_start = on_start
         self._on_stop = on_stop
         self.group: StandInGroup | None = None
+        self.finished = False
+        """The training is over (the harness's ``finish``): later groups exit 0 at once."""
 
     def __call__(
         self,
@@ -291,7 +300,10 @@ class StandInLauncher:
         warm: WarmPool | None,
         interrupted: threading.Event | None,
     ) -> WorkerGroup:
-        self.group = StandInGroup(launches, wake, self._trainer, self._on_start, self._on_stop)
+        self.group = StandInGroup(
+            launches, wake, self._trainer, self._on_start, self._on_stop,
+            over=lambda: self.finished,
+        )  # fmt: skip
         return self.group
 
 

@@ -127,6 +127,34 @@ def test_stand_in_group_succeeds_when_every_worker_exits_0() -> None:
             group.start()
 
 
+def test_a_group_started_after_the_training_is_over_exits_0_at_once() -> None:
+    """After the harness's finish, an agent that re-formed starts workers that find the
+    training over (a script resuming from its last checkpoint), not ones that run on."""
+    progress = ProgressFile(1)
+    trainer = Trainer(step_s=0.01, epoch=time.monotonic())
+    woken = threading.Event()
+    over = threading.Event()
+    group = StandInGroup(
+        [_launch(0, progress.path)], woken.set, trainer,
+        on_start=lambda g: None, on_stop=lambda g: None, over=over.is_set,
+    )  # fmt: skip
+    later = StandInGroup(
+        [_launch(0, progress.path)], woken.set, trainer,
+        on_start=lambda g: None, on_stop=lambda g: None, over=over.is_set,
+    )  # fmt: skip
+    try:
+        group.start()
+        assert group.state() is WorkerState.HEALTHY
+        over.set()
+        later.start()
+        assert later.state() is WorkerState.SUCCEEDED
+        assert woken.is_set()
+        assert group.state() is WorkerState.HEALTHY  # finish itself ends the running ones
+    finally:
+        trainer.close()
+        progress.close()
+
+
 def test_stalled_stand_in_reports_nothing_more() -> None:
     with _one_worker_group() as (group, progress):
         group.start()
