@@ -56,7 +56,7 @@ from agent.loop.launches import build_launches, warm_templates
 from agent.loop.phase import PhaseWaiter
 from agent.loop.policy import Step
 from agent.loop.restarts import Restarts
-from agent.loop.warmup import Refill, prepare_warm_pool
+from agent.loop.warmup import prepare_warm_pool, refill_after_start
 from agent.observe.journal import NODE_ENV
 from agent.observe.metrics import RunMetrics, running_workers
 from agent.observe.recording import RoundRecorder
@@ -127,7 +127,6 @@ class Agent:
         self._warm = WarmPool(
             config.warm_modules, enabled=config.warm_start, depth=config.warm_pool_size
         )
-        self._refill = Refill(self._warm)
         self._preflight = (
             Preflight(
                 timeout=config.health_check_timeout,
@@ -395,6 +394,6 @@ class Agent:
             warm=self._warm, interrupted=self._wake,
         )  # fmt: skip
         self._group.start()
-        self._refill.after_start(launches, time.monotonic())
+        refill_after_start(self._warm, launches)
         self._history.started(self._group.pids, self.restart_count)
         return True

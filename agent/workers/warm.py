@@ -1,10 +1,13 @@
 """Warm restarts: per local worker, an interpreter started ahead with torch imported.
 
 A restart's largest cost in a real job is the new interpreter importing torch (1-1.5 s
-of CPU here, per worker, all at once). The pool keeps, for each local rank, one process
-of :mod:`agent.workers.warm_process` that has already done that and waits; a worker is started
-by handing it the worker's command, environment, directory and standard streams, and
-the pool starts a replacement in the background.
+of CPU here, per worker, all at once). The pool keeps, for each local rank, processes
+of :mod:`agent.workers.warm_process` that have already done that and wait; a worker is
+started by handing one the worker's command, environment, directory and standard
+streams, and the pool replaces it by forking another that is still ready (no import:
+milliseconds; the copy is adopted as this process's child, :mod:`agent.workers.adopt`).
+A rank imports again only when none is left ready: at the agent's start, after its
+processes died, or when the worker's environment changed.
 
 A warm process is used only when the result is the same as a cold ``python -u``:
 
@@ -25,11 +28,8 @@ in a session of their own, so they die with the agent and are stopped as workers
 from __future__ import annotations
 
 import logging
-import socket
-import subprocess
 import threading
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 from agent.workers.warm_interpreter import (
     LATE_KEYS,
@@ -41,7 +41,7 @@ from agent.workers.warm_interpreter import (
     fits,
     warm_target,
 )
-from coordinator.core.lifeline import Spawned, spawn
+from coordinator.core.lifeline import Spawned
 
 __all__ = [
     "LATE_KEYS",
@@ -54,8 +54,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-_PROGRAM = str(Path(__file__).with_name("warm_process.py"))
 
 # How long a worker waits for its warm interpreter that is still importing. It started
 # before this worker was asked for, so it is ahead of any cold start on the same cores;
@@ -70,9 +68,8 @@ _MAX_DEATHS = 3
 class WarmPool:
     """Per local rank, up to ``depth`` warm processes, refilled in the background.
 
-    Two by default: restarts come in bursts (a node lost, then the same node back a few
-    seconds later: two restarts), and a process taken now is replaced by one that needs
-    a few seconds to import; the second one covers that window.
+    Two by default: the one a restart takes is replaced by forking the other, so there
+    is always one to fork (a rank with none left must import for seconds).
     """
 
     def __init__(
@@ -94,6 +91,7 @@ class WarmPool:
         self._closed = False
         self._disabled_why: str | None = None
         self._deaths = 0  # interpreters in a row that died importing without a report
+        self._forks = True  # refills fork a ready interpreter (off once a live one would not)
         self._changed = threading.Condition(self._lock)  # a process became ready, or a poke
 
     @property
@@ -111,45 +109,25 @@ class WarmPool:
             slot = self._slots.get(local_rank, [])
             return sum(1 for w in slot if w.ready.is_set() and w.failed is None)
 
-    def refill(
-        self,
-        templates: Mapping[int, tuple[Sequence[str], Mapping[str, str]]],
-        defer: float = 0.0,
-        *,
-        at_once: bool = False,
-    ) -> None:
+    def refill(self, templates: Mapping[int, tuple[Sequence[str], Mapping[str, str]]]) -> None:
         """Keep each local rank topped up to ``depth`` processes fit for a worker like
         ``templates[local_rank]`` = (argv, env), discarding those that no longer fit.
-        Returns at once. One process per local rank imports at a time (the next starts
-        when it is ready), so a refill never takes more of the cores than a cold start of
-        the same workers would; ``at_once`` starts every missing one now instead (before
-        the first round, when no worker runs yet: the whole pool is ready for the first
-        workers and for a crash in their first seconds).
 
-        ``defer``: seconds to wait before the imports of local ranks that still have a
-        ready process (the workers just started from the pool load their checkpoint and
-        take their first step meanwhile, without an import on the same cores); a rank
-        left with none tops up at once, so a second failure soon after still finds one
-        importing."""
+        A rank that still has a ready process is topped up by forking it
+        (:meth:`WarmInterpreter.fork`: milliseconds, no import), so a burst of restarts
+        always finds one ready and no refill competes with the new workers for the
+        cores. A rank with none imports in one new interpreter (one per local rank at a
+        time: never more of the cores than a cold start of the same workers), then forks
+        it for the rest. Returns after the forks; an import goes on in the background."""
         if not self.enabled:
             return
-        later: list[int] = []
         for local_rank, (argv, env) in templates.items():
             target = warm_target(argv)
             if target is None:
                 continue
             if not self._retarget(local_rank, target, env):
                 return  # closed
-            if at_once:
-                self._fill(local_rank)
-            elif defer > 0 and self.ready_count(local_rank) > 0:
-                later.append(local_rank)
-            else:
-                self._top_up(local_rank)
-        if later:
-            timer = threading.Timer(defer, self._top_up_all, args=(later,))
-            timer.daemon = True
-            timer.start()
+            self._top_up(local_rank)
 
     def _retarget(self, local_rank: int, target: WarmTarget, env: Mapping[str, str]) -> bool:
         """Make ``target``/``env`` the template of ``local_rank``, discarding its
@@ -165,36 +143,70 @@ class WarmPool:
             warm.discard()
         return True
 
-    def _top_up_all(self, local_ranks: Sequence[int]) -> None:
-        for local_rank in local_ranks:
-            self._top_up(local_rank)
-
     def _top_up(self, local_rank: int) -> None:
+        """Fork a ready process of ``local_rank`` until the rank has ``depth``; with none
+        to fork, start one import unless one is under way."""
         with self._top_up_lock:  # check and start as one step: one import at a time
-            with self._lock:
-                template = self._templates.get(local_rank)
-                kept = counted(self._slots.get(local_rank, []))
-                importing = any(not w.ready.is_set() for w in kept)
-                if self._closed or template is None or importing or len(kept) >= self._depth:
+            while True:
+                self._drop_dead(local_rank)
+                with self._lock:
+                    template = self._templates.get(local_rank)
+                    kept = counted(self._slots.get(local_rank, []))
+                    if self._closed or template is None or len(kept) >= self._depth:
+                        return
+                    target, env = template
+                    source = next((w for w in kept if _can_fork(w, target, env)), None)
+                    importing = any(not w.ready.is_set() for w in kept)
+                if source is None or not self._forks:
+                    if not importing:
+                        self._start(local_rank, target.python, env)
                     return
-            target, env = template
-            self._start(local_rank, target.python, env)
+                self._fork(local_rank, source)
 
-    def _fill(self, local_rank: int) -> None:
-        with self._top_up_lock:
-            with self._lock:
-                template = self._templates.get(local_rank)
-                missing = self._depth - len(counted(self._slots.get(local_rank, [])))
-                if self._closed or template is None:
-                    return
-            target, env = template
-            for _ in range(missing):
-                self._start(local_rank, target.python, env)
+    def _drop_dead(self, local_rank: int) -> None:
+        """Drop the ready processes of ``local_rank`` that died while they waited (the
+        OOM killer, an operator): they count for nothing, and the rank must import."""
+        with self._lock:
+            slot = self._slots.get(local_rank, [])
+            dead = [
+                w for w in slot
+                if w.ready.is_set() and not w.failed and w.spawned.process.poll() is not None
+            ]  # fmt: skip
+            slot[:] = [w for w in slot if w not in dead]
+        for warm in dead:
+            log.warning(
+                "warm start: local rank %d: a warm interpreter died while it waited (exit "
+                "code %s); dropping it", local_rank, warm.spawned.process.returncode,
+            )  # fmt: skip
+            warm.discard()
+
+    def _fork(self, local_rank: int, source: WarmInterpreter) -> None:
+        copy = source.fork()
+        if isinstance(copy, str) and source.spawned.process.poll() is None:
+            # It lives, and still could not be forked (no subreaper mark, no fork): the
+            # next fork would fail the same way. Refills import, as before forks.
+            log.warning(
+                "warm start: local rank %d: a warm interpreter could not be forked (%s); "
+                "refills import new interpreters from now on", local_rank, copy,
+            )  # fmt: skip
+            self._forks = False
+            return
+        if isinstance(copy, str):
+            return  # it died: dropped next (_drop_dead)
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._slots.setdefault(local_rank, []).append(copy)
+        if closed:
+            copy.discard()
+        self.poke()
 
     def _start(self, local_rank: int, python: str, env: dict[str, str]) -> None:
         """Start a process for ``local_rank`` and a thread that waits for its import."""
-        warm = self._spawn(python, env)
-        if warm is None:
+        try:
+            warm = WarmInterpreter.start(python, env, self._modules)
+        except OSError as exc:
+            log.warning("warm start: cannot start a warm interpreter (%s); starting cold", exc)
             return
         with self._lock:
             if self._closed:
@@ -205,26 +217,6 @@ class WarmPool:
             target=self._await, args=(local_rank, warm), name=f"warm start {local_rank}",
             daemon=True,
         ).start()  # fmt: skip
-
-    def _spawn(self, python: str, env: dict[str, str]) -> WarmInterpreter | None:
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            spawned = spawn(
-                [python, "-u", _PROGRAM, str(theirs.fileno()), self._modules],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                start_new_session=True,
-                pass_fds=(theirs.fileno(),),
-            )
-        except OSError as exc:
-            mine.close()
-            log.warning("warm start: cannot start a warm interpreter (%s); starting cold", exc)
-            return None
-        finally:
-            theirs.close()
-        return WarmInterpreter(spawned, mine, python, env)
 
     def wait_ready(
         self, timeout: float, interrupted: threading.Event | None = None, *, every: int = 1
@@ -376,6 +368,12 @@ class WarmPool:
             self._slots = {}
         for warm in unused:
             warm.discard()
+
+
+def _can_fork(warm: WarmInterpreter, target: WarmTarget, env: Mapping[str, str]) -> bool:
+    """Whether ``warm`` is ready, alive and fit for ``target``/``env``: one to hand a
+    worker over to, or to fork."""
+    return fits(warm, target, env) and warm.ready.is_set() and warm.spawned.process.poll() is None
 
 
 def hand_over(

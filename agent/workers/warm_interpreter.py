@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.core.lifeline import Spawned
+from agent.workers.adopt import AdoptedProcess, adopting
+from coordinator.core.lifeline import Spawned, spawn
 
 __all__ = [
     "LATE_KEYS",
@@ -41,7 +42,9 @@ LATE_KEYS = frozenset(
         "ETCD_ELASTIC_ROUND",
     }
 )  # fmt: skip
+_PROGRAM = str(Path(__file__).with_name("warm_process.py"))
 _HANDOVER_TIMEOUT = 5.0  # seconds for a ready process to confirm it took the request
+_FORK_TIMEOUT = 10.0  # seconds for a ready process's forked copy to say it is ready
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,30 @@ class WarmInterpreter:
         self.started = time.monotonic()
         self.overdue = False  # importing for longer than it should (see ImportBounds)
         self.stuck = False  # given up: killed while still importing
+        self.forked = False  # a copy of a ready process (it never imported)
+        self._talk = threading.Lock()  # one request at a time on the control socket
+
+    @classmethod
+    def start(cls, python: str, env: dict[str, str], modules: str) -> WarmInterpreter:
+        """Start ``python`` on :mod:`agent.workers.warm_process` with ``env``, to import
+        ``modules`` (comma-separated), through the lifeline, in a session of its own.
+
+        Raises:
+            OSError: it could not be started.
+        """
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            spawned = spawn(
+                [python, "-u", _PROGRAM, str(theirs.fileno()), modules], env=env,
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True, pass_fds=(theirs.fileno(),),
+            )  # fmt: skip
+        except OSError:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        return cls(spawned, mine, python, env)
 
     def wait_ready(self, bounds: ImportBounds, on_overdue: Callable[[], None]) -> None:
         """Block until the process reports (run on the pool's starter thread). An import
@@ -178,6 +205,13 @@ class WarmInterpreter:
         """Ask the process to become the worker ``argv`` (``target``) with ``env`` in
         ``cwd`` on ``streams`` (descriptors the caller still closes). None once it
         confirmed; else why not (then it is of no use: discard it)."""
+        with self._talk:
+            return self._hand_over(target, argv, env, cwd, streams)
+
+    def _hand_over(
+        self, target: WarmTarget, argv: Sequence[str], env: Mapping[str, str], cwd: str,
+        streams: tuple[int, int, int],
+    ) -> str | None:  # fmt: skip
         request = {
             "mode": target.mode,
             "target": target.target,
@@ -199,14 +233,54 @@ class WarmInterpreter:
             return None
         return answer.decode(errors="replace") or "it exited"
 
+    def fork(self) -> WarmInterpreter | str:
+        """A ready copy of this ready process, adopted by this one as its child (see
+        :mod:`agent.workers.adopt`): milliseconds, where a new interpreter imports for
+        seconds. Else why not (this process died, or the copy did not come)."""
+        with self._talk, contextlib.ExitStack() as window:
+            try:
+                window.enter_context(adopting())
+                self.sock.settimeout(_FORK_TIMEOUT)
+                self.sock.send(b'{"fork": 1}')
+                answer, fds, _, _ = socket.recv_fds(self.sock, 64, 1)
+            except OSError as exc:
+                return f"{type(exc).__name__}: {exc}"
+            what, _, number = answer.decode(errors="replace").partition(" ")
+            if what != "forked" or not number.isdigit() or len(fds) != 1:
+                for fd in fds:
+                    os.close(fd)
+                return f"it answered {answer!r}" if answer else "it exited"
+            process = AdoptedProcess(int(number), self.spawned.argv)
+            copy = socket.socket(fileno=fds[0])
+            try:
+                copy.settimeout(_FORK_TIMEOUT)
+                report = copy.recv(64)
+            except OSError as exc:
+                report = f"{type(exc).__name__}: {exc}".encode()
+        if report != f"ready {process.pid}".encode():
+            copy.close()
+            _kill_and_reap(process)
+            return f"the copy said {report!r}" if report else "the copy exited"
+        sibling = WarmInterpreter(Spawned(process, self.spawned.argv), copy, self.python, self.env)
+        sibling.forked = True
+        sibling.ready.set()
+        return sibling
+
     def discard(self) -> None:
         """Stop and reap an unused process."""
         with contextlib.suppress(OSError):
             self.sock.close()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.spawned.process.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.spawned.process.wait(timeout=10)
+        _kill_and_reap(self.spawned.process)
+
+
+def _kill_and_reap(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the session ``process`` leads, and reap it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(process.pid, signal.SIGKILL)  # a copy that died before leading one
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=10)
 
 
 def counted(slot: Sequence[WarmInterpreter]) -> list[WarmInterpreter]:

@@ -10,7 +10,12 @@ user's own ``agent`` package would find it). ``CONTROL_FD`` is this end of a
    ``ready`` is sent (or ``failed <why>``, and the process exits 3).
 2. Wait for one request: JSON ``{"mode", "target", "args", "env", "cwd", "argv"}`` with
    three descriptors (the worker's stdin, stdout and stderr). End of file means the pool
-   was closed: exit 0 quietly.
+   was closed: exit 0 quietly. A request ``{"fork": 1}`` instead forks a *sibling*: a
+   copy of this process, imports and all, in milliseconds instead of seconds of CPU
+   (:func:`_fork_sibling`). The pool refills this way whenever a ready process is left.
+   This process answers ``forked <pid>`` with the sibling's end of a new control socket
+   and goes on waiting; the sibling says ``ready <pid>`` on that socket and waits as
+   this one does.
 3. Become the worker, as ``python -u`` would have started it: the descriptors go on 0, 1
    and 2 (what the preload printed is written there first), the directory and the whole
    environment are those of the request, ``sys.argv``, ``sys.path[0]`` and a fresh
@@ -33,11 +38,15 @@ import json
 import os
 import socket
 import sys
+import time
 from typing import Any
 
 _EXIT_PRELOAD_FAILED = 3
 _EXIT_NO_FILE = 2  # what ``python missing.py`` returns
+_EXIT_NOT_ADOPTED = 4  # a sibling whose agent did not adopt it
 _MAX_REQUEST = 4 << 20
+_ADOPTION_S = 10.0  # how long a sibling waits to become the agent's child
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def _capture(fd: int) -> int:
@@ -50,9 +59,11 @@ def _capture(fd: int) -> int:
 
 
 def _replay(spool: int, fd: int) -> None:
-    os.lseek(spool, 0, os.SEEK_SET)
-    while chunk := os.read(spool, 1 << 16):
+    # pread: siblings forked from one process share the spool's file offset.
+    offset = 0
+    while chunk := os.pread(spool, 1 << 16, offset):
         os.write(fd, chunk)
+        offset += len(chunk)
     os.close(spool)
 
 
@@ -159,10 +170,17 @@ def main() -> int:
         sock.sendall(f"failed {' '.join(failed.split())[:500]}".encode())
         return _EXIT_PRELOAD_FAILED
     sock.sendall(b"ready")
-    received = _receive(sock)
-    if received is None:
-        return 0  # the pool was closed
-    request, fds = received
+    while True:
+        received = _receive(sock)
+        if received is None:
+            return 0  # the pool was closed
+        request, fds = received
+        if not request.get("fork"):
+            break
+        sibling = _fork_sibling(sock)
+        if sibling is not None:  # this is the sibling now
+            sock = sibling
+            sock.sendall(f"ready {os.getpid()}".encode())
     _become(request, fds, spools, coerced)
     sock.sendall(b"started")
     sock.close()
@@ -177,6 +195,79 @@ def main() -> int:
             _exit_by_sigint()
         return 1
     return 0
+
+
+def _fork_sibling(sock: socket.socket) -> socket.socket | None:
+    """Fork a copy of this waiting process that the agent adopts as its own child, as if
+    the agent had started it: the copy's parent is the agent, it dies with the agent
+    (parent-death signal), it leads a session of its own, and numpy's BLAS threads,
+    which a fork leaves behind, run again. In this process: answer ``forked <pid>`` and
+    return None. In the copy: return its end of the new control socket.
+
+    How the agent becomes the parent: a middle process forks the copy and exits at once;
+    the kernel hands the orphan to the nearest ancestor marked as a child subreaper,
+    which the agent is while it asks for a fork (``agent.workers.adopt``)."""
+    import warnings
+
+    agent = os.getppid()
+    threads = len(os.listdir("/proc/self/task"))
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    read_pid, write_pid = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with BLAS threads
+        middle = os.fork()
+        if middle == 0:
+            copy = os.fork()
+            if copy != 0:
+                os.write(write_pid, str(copy).encode())
+                os._exit(0)
+            for end in (sock, mine):
+                end.close()
+            for fd in (read_pid, write_pid):
+                os.close(fd)
+            _adopted(agent, threads)
+            return theirs
+    theirs.close()
+    os.close(write_pid)
+    os.waitpid(middle, 0)
+    _restart_blas_threads(threads)
+    copy_pid = os.read(read_pid, 32).decode()
+    os.close(read_pid)
+    try:
+        socket.send_fds(sock, [f"forked {copy_pid}".encode()], [mine.fileno()])
+    finally:
+        mine.close()
+    return None
+
+
+def _adopted(agent: int, threads: int) -> None:
+    """In a forked copy: wait to be the agent's child, then arm the parent-death signal
+    and lead a session, as a started worker does; restart numpy's BLAS threads."""
+    deadline = time.monotonic() + _ADOPTION_S
+    middle = os.getppid()
+    while (parent := os.getppid()) != agent:  # the middle process is exiting
+        if parent != middle or time.monotonic() > deadline:
+            os._exit(_EXIT_NOT_ADOPTED)  # given to another: the agent is gone
+        time.sleep(0.001)
+    import ctypes
+    import signal
+
+    if ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        os._exit(_EXIT_NOT_ADOPTED)
+    if os.getppid() != agent:  # the agent died before the signal was armed
+        os._exit(_EXIT_NOT_ADOPTED)
+    os.setsid()
+    _restart_blas_threads(threads)
+
+
+def _restart_blas_threads(threads: int) -> None:
+    """OpenBLAS starts its thread pool when numpy loads it, and stops it before a fork
+    (in the process that forks, too); only the forking thread survives a fork anyway.
+    One threaded product starts the pool again, so both processes run the threads a
+    started interpreter runs (``threads`` of them before the fork)."""
+    if threads > len(os.listdir("/proc/self/task")) and "numpy" in sys.modules:
+        square = sys.modules["numpy"].ones((256, 256))
+        square @ square
 
 
 def _exit_by_sigint() -> None:

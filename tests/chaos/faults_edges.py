@@ -11,12 +11,15 @@
     join again, and the job train again.
 ``warm_import_stuck``
     One agent's next warm interpreter hangs in its import (``chaos_stall``, using no
-    CPU). Once that agent's pool is full, a worker of it is killed (the refill after that
-    restart hangs), then killed again (the restart takes the spares: the stuck import
-    must not disturb it), then once more when the agent holds a ready spare per worker
-    again: that spare can only be one started beside the stuck import, which the pool
-    must do since no CPU moves in it (before, the stuck import blocked every refill and
-    the restart waited 30 s for it).
+    CPU). The pool refills by forking a ready interpreter and imports only when a local
+    rank has none left, so once that agent's pool is full its last local rank's spares
+    are SIGKILLed (as the OOM killer would) and a worker of it is killed: the restart
+    finds no live spare for that rank, and the refill after it imports, and hangs. Once
+    the agent holds a ready spare per worker again (for that rank only one imported
+    beside the stuck import can give it, which the pool must start since no CPU moves
+    in the stuck one), a worker is killed once more: it must start from that spare,
+    not wait for the stuck import (before, the stuck import blocked every refill and the
+    restart waited 30 s for it).
 
 ``etcd_role_revoked``
     An operator revokes the agents' role's permission on the key prefix (etcd has auth
@@ -127,14 +130,17 @@ class EdgeFaults:
         taken.unlink(missing_ok=True)  # an earlier fault's on this agent
         arm.write_text("")
         try:
+            rank = str(self.nproc - 1)
+            killed = [p for p, r in self._spares(agent, 0).items() if r == rank]
+            for pid in killed:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            note(f"{len(killed)} spares of local rank {rank} killed")
             self._kill_worker_of(slot)  # the refill after this restart imports: it hangs
             hung = self._until(lambda: taken.exists() and taken.read_text().isdigit(), 90.0)
             note("a warm import hangs" if hung else "no warm import hung")
             stuck = int(taken.read_text()) if hung else 0
             self._until(lambda: self.tail.stepped_since(start), wait_s)
-            since = time.monotonic()
-            self._kill_worker_of(slot)  # takes the spares
-            self._until(lambda: self.tail.stepped_since(since), wait_s)
             spares = self._until(lambda: self._ready_spares(agent, stuck) >= 1, wait_s)
             note("a spare beside the stuck import" if spares else "no spare beside it")
             since = time.monotonic()
@@ -156,11 +162,12 @@ class EdgeFaults:
         finally:
             self.etcd.grant_role()
 
-    def _ready_spares(self, agent_pid: int, stuck: int) -> int:
-        """The fewest warm interpreters under ``agent_pid`` that wait, ready, for one local
-        rank (a spare serves its own local rank only): past their preload
-        (``chaos_stall`` marks each one that does not hang) and using no CPU over one
-        second (one that just became a worker uses some), the stuck one aside."""
+    def _spares(self, agent_pid: int, stuck: int) -> dict[int, str]:
+        """The warm interpreters under ``agent_pid`` that wait, ready, and the local rank
+        each serves (a spare serves its own local rank only): past their preload
+        (``chaos_stall`` marks each one that does not hang, and each copy forked from
+        one) and using no CPU over one second (one that just became a worker uses some),
+        the stuck one aside."""
         self.tail.poll()
         workers = set(self.tail.workers_of(agent_pid))
         warm = {
@@ -170,7 +177,11 @@ class EdgeFaults:
         }  # fmt: skip
         before = {p: _ticks(p) for p in warm}
         time.sleep(1.0)
-        ready = [r for p, r in warm.items() if before[p] is not None and _ticks(p) == before[p]]
+        return {p: r for p, r in warm.items() if before[p] is not None and _ticks(p) == before[p]}
+
+    def _ready_spares(self, agent_pid: int, stuck: int) -> int:
+        """The fewest ready spares (:meth:`_spares`) of any one local rank."""
+        ready = list(self._spares(agent_pid, stuck).values())
         return min(ready.count(str(rank)) for rank in range(self.nproc))
 
 

@@ -1,24 +1,28 @@
-"""Worker starts in a burst find a warm interpreter ready (issue 21: the two
-``recovery_bound`` violations of the 200-fault chaos run).
+"""Worker starts in a burst find a warm interpreter ready (issue 21: the
+``recovery_bound`` violations of the 200-fault chaos runs).
 
 A node cut off from etcd past its lease comes back just after the others re-formed
 without it: each of them starts its workers twice within seconds, soon after the start
-that ended the fault before. Two ways that burst used to spend the interpreters:
+that ended the fault before. Three ways that burst used to spend the interpreters:
 
 - with two interpreters per local rank, the first start of the burst took one and
-  deferred the import replacing it (the deferral lets a quiet job's new workers load
-  their checkpoint without an import on the same cores); the second took the last, and
-  its replacement only began then, so the third start waited for an import (seconds of
-  CPU per worker on a busy node) or started cold;
+  deferred the import replacing it; the second took the last, and its replacement only
+  began then, so the third start waited for an import (seconds of CPU per worker on a
+  busy node) or started cold;
+- refilled at once in a burst, every start still cost an import somewhere, and on two
+  cores a chain of starts waited for the imports of the starts before it (the 3-agent
+  chaos run of 26 November);
 - the round formed without the node is abandoned when it comes back, often while its
   start still waits for one local rank's import: the ranks that had an interpreter ready
   took it for workers stopped at once, and the round with the node, seconds later,
   waited for their imports again.
 
-The imports are real interpreters that take ``IMPORT_S`` seconds to import (a preloaded
-module that sleeps: no CPU, so the test's timing does not depend on the machine's load).
-A warm start is proven by the started pid being one of the pool's ready interpreters,
-never by timing.
+The pool now replaces what a start took by forking an interpreter that is still ready:
+no import, whenever the start came. The imports here are real interpreters whose
+preload sleeps ``IMPORT_S`` seconds (no CPU, so the test's timing does not depend on the
+machine's load): an interpreter ready sooner than that after a refill is a fork. A warm
+start is proven by the started pid being one of the pool's ready interpreters, never by
+timing.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.loop.warmup import Refill
+from agent.loop.warmup import refill_after_start
 from agent.workers.group import build_argv
 from agent.workers.launch import WorkerLaunch
 from agent.workers.warm import ImportBounds, WarmPool
@@ -70,21 +74,17 @@ def _sleepy_pool(harness: Harness, tmp_path: Path) -> tuple[WarmPool, WorkerLaun
     env = base_env(PYTHONPATH=str(tmp_path / "preload"))
     launch = make_launch(tmp_path / "runs" / "w", 0, build_argv("src/probe.py", ["exit:0"]), env)
     pool = harness.pool(["sleepy"], depth=2, bounds=BOUNDS)
-    pool.refill({0: (launch.argv, launch.env)}, at_once=True)
+    pool.refill({0: (launch.argv, launch.env)})
     assert pool.wait_ready(READY_WITHIN, every=2), "the pool did not fill"
     return pool, launch
 
 
-def _pool_after_a_start(
-    harness: Harness, tmp_path: Path, ago: float
-) -> tuple[WarmPool, WorkerLaunch, Refill]:
-    """A full sleepy pool, and the agent's refill, whose last worker start was ``ago``
-    seconds ago (its interpreter replaced since: the pool is full)."""
+def _pool_after_a_start(harness: Harness, tmp_path: Path) -> tuple[WarmPool, WorkerLaunch]:
+    """A full sleepy pool, as after a worker start whose interpreter was replaced."""
     pool, launch = _sleepy_pool(harness, tmp_path)
-    refill = Refill(pool)
-    refill.after_start([launch], time.monotonic() - ago)
+    refill_after_start(pool, [launch])
     assert pool.ready_count(0) == 2
-    return pool, launch, refill
+    return pool, launch
 
 
 def _sleep_until(moment: float) -> None:
@@ -94,18 +94,16 @@ def _sleep_until(moment: float) -> None:
 def test_a_reformation_right_after_a_formation_starts_warm(
     harness: Harness, tmp_path: Path
 ) -> None:
-    # The start that ended the fault before was 10 s ago: this burst's first start is the
-    # second within 20 s.
-    pool, launch, refill = _pool_after_a_start(harness, tmp_path, 10.0)
+    pool, launch = _pool_after_a_start(harness, tmp_path)
 
     first = time.monotonic()
     group = harness.start([launch], pool=pool, cwd=tmp_path)  # the fault's first round
-    refill.after_start([launch], first)
+    refill_after_start(pool, [launch])
     assert harness.finish(group)[0].returncode == 0
 
     _sleep_until(first + FORMATION_AT)  # the others re-form without the node
     group = harness.start([launch], pool=pool, cwd=tmp_path)
-    refill.after_start([launch], time.monotonic())
+    refill_after_start(pool, [launch])
     assert harness.finish(group)[0].returncode == 0
 
     _sleep_until(first + REFORMATION_AT)  # ... and again with it, back
@@ -122,20 +120,26 @@ def test_a_reformation_right_after_a_formation_starts_warm(
     assert harness.finish(group)[0].returncode == 0
 
 
-def test_a_start_after_a_quiet_spell_still_defers_its_refill(
+def test_every_start_is_refilled_at_once_by_a_fork_not_an_import(
     harness: Harness, tmp_path: Path
 ) -> None:
-    # The deferral stays where it helps: a crash minutes into a quiet job, whose new
-    # workers load their checkpoint and take their first step without an import beside.
-    pool, launch, refill = _pool_after_a_start(harness, tmp_path, 60.0)
-    before = warm_pids(pool, 0)
-    group = harness.start([launch], pool=pool, cwd=tmp_path)
-    refill.after_start([launch], time.monotonic())
-    time.sleep(1.0)
-    assert warm_pids(pool, 0) == [p for p in before if p != group.pids[0]], (
-        "an import began during the deferral after a quiet spell"
-    )
-    assert harness.finish(group)[0].returncode == 0
+    # Three starts back to back, each the moment the one before was refilled: every one
+    # starts warm, and the pool is full again sooner than any import could be (each
+    # preload sleeps IMPORT_S): the refills were forks.
+    pool, launch = _pool_after_a_start(harness, tmp_path)
+    for start in range(3):
+        held = warm_pids(pool, 0)
+        group = harness.start([launch], pool=pool, cwd=tmp_path)
+        assert group.pids[0] in held, f"start {start} did not start warm"
+        began = time.monotonic()
+        refill_after_start(pool, [launch])
+        assert pool.wait_ready(IMPORT_S / 2, every=2), (
+            f"start {start}: the pool was not full again within {IMPORT_S / 2:.0f} s"
+        )
+        assert time.monotonic() - began < IMPORT_S / 2
+        fresh = [p for p in warm_pids(pool, 0) if p not in held]
+        assert len(fresh) == 1 and fresh[0] != group.pids[0]
+        assert harness.finish(group)[0].returncode == 0
 
 
 # Local rank 1's import waits for the file RELEASE names (no CPU: BOUNDS never give it up);

@@ -21,6 +21,7 @@ No etcd is needed, except by the one ``etcdrun --standalone`` test at the end.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -40,6 +41,7 @@ from typing import Any
 import pytest
 
 import agent.workers.warm
+import agent.workers.warm_interpreter
 from agent.workers.errorfile import read_failure
 from agent.workers.group import GroupInfo, WorkerGroup, build_argv, worker_env
 from agent.workers.launch import WorkerLaunch, WorkerRanks
@@ -296,6 +298,12 @@ def warm_pids(pool: WarmPool, local_rank: int) -> list[int]:
     slot = pool._slots.get(local_rank) or []
     warms = slot if isinstance(slot, list) else [slot]
     return [w.spawned.process.pid for w in warms]
+
+
+def forked_pids(pool: WarmPool, local_rank: int) -> list[int]:
+    """Which of ``warm_pids`` are copies forked from a ready interpreter (read as
+    ``warm_pids`` reads them)."""
+    return [w.spawned.process.pid for w in pool._slots.get(local_rank) or [] if w.forked]
 
 
 def wait_ready(pool: WarmPool, local_ranks: Sequence[int], timeout: float = READY_WITHIN) -> None:
@@ -1233,15 +1241,17 @@ TORCH_CASES = {
 
 
 class TorchRuns:
-    """The torch cases, cold and warm: the pool and the cold workers start at once
-    (importing torch in parallel); the warm workers start when asked, once ready."""
+    """The torch cases, cold, warm and forked: the pool and the cold workers start at
+    once (importing torch in parallel); the warm workers start when asked, once ready,
+    from the interpreters that imported torch; the forked ones after them, from the
+    copies the pool forked from those (two per local rank)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.harness = Harness()
         write_probe(root)
         self.launches: dict[str, list[WorkerLaunch]] = {}
-        for kind in ("cold", "warm"):
+        for kind in ("cold", "warm", "forked"):
             self.launches[kind] = [
                 make_launch(
                     root / kind, lr,
@@ -1250,22 +1260,38 @@ class TorchRuns:
                 )
                 for lr, (action, omp, extra) in TORCH_CASES.items()
             ]  # fmt: skip
-        self.pool = self.harness.pool(["torch"])
+        self.pool = self.harness.pool(["torch"], depth=2)
         self.pool.refill({ln.ranks.local_rank: (ln.argv, ln.env) for ln in self.launches["warm"]})
         self.cold_group = self.harness.start(self.launches["cold"], cwd=root)
         self._result: tuple[dict[int, Run], dict[int, Run]] | None = None
+        self._forked: dict[int, Run] | None = None
 
     def result(self) -> tuple[dict[int, Run], dict[int, Run]]:
         if self._result is None:
             cold = self.harness.finish(self.cold_group)
-            wait_ready(self.pool, list(TORCH_CASES))
-            ready = {lr: warm_pids(self.pool, lr) for lr in TORCH_CASES}
+            assert self.pool.wait_ready(READY_WITHIN, every=2), "the pool did not fill"
+            ready = {
+                lr: [p for p in warm_pids(self.pool, lr) if p not in forked_pids(self.pool, lr)]
+                for lr in TORCH_CASES
+            }
             group = self.harness.start(self.launches["warm"], pool=self.pool, cwd=self.root)
-            self.pool.close()  # nothing more to start from it
             for lr, pid in group.pids.items():
                 assert [pid] == ready[lr], f"local rank {lr} did not start warm"
             self._result = cold, self.harness.finish(group)
         return self._result
+
+    def forked(self) -> dict[int, Run]:
+        """The same launches started from copies forked from a ready interpreter."""
+        if self._forked is None:
+            self.result()
+            copies = {lr: forked_pids(self.pool, lr) for lr in TORCH_CASES}
+            assert all(copies.values()), f"no forked copy ready: {copies}"
+            group = self.harness.start(self.launches["forked"], pool=self.pool, cwd=self.root)
+            self.pool.close()  # nothing more to start from it
+            for lr, pid in group.pids.items():
+                assert pid in copies[lr], f"local rank {lr} did not start from a forked copy"
+            self._forked = self.harness.finish(group)
+        return self._forked
 
 
 @pytest.fixture(scope="module")
@@ -1356,6 +1382,27 @@ def test_torch_error_file_of_record_is_the_same(torch_runs: TorchRuns) -> None:
     assert files[0] == files[1]
 
 
+@pytest.mark.parametrize("local_rank", sorted(TORCH_CASES))
+def test_a_worker_from_a_forked_copy_is_the_same_as_a_cold_one(
+    torch_runs: TorchRuns, local_rank: int
+) -> None:
+    """A copy forked from a ready interpreter (how the pool refills) is, to the worker,
+    the interpreter that imported torch: every generic field equal to a cold start's,
+    the parent, the parent-death signal, the session, BLAS's threads and torch's
+    included; its preloaded modules as the original's."""
+    cold, warm = torch_runs.result()
+    forked = torch_runs.forked()
+    c, f = cold[local_rank].record, forked[local_rank].record
+    assert differences(cold[local_rank], forked[local_rank], skip=MP_MAIN_BUG) == {}
+    assert f["ppid"] == c["ppid"] == os.getpid()
+    assert f["pdeathsig"] == signal.SIGKILL and f["session_leader"] and f["group_leader"]
+    for key in ("os_threads", "threads", "torch_threads", "hash", "signals", "sigstatus"):
+        assert f.get(key) == c.get(key), key
+    assert f["modules"] == warm[local_rank].record["modules"]
+    assert forked[local_rank].returncode == cold[local_rank].returncode
+    assert forked[local_rank].stderr == cold[local_rank].stderr
+
+
 def test_preloaded_modules_are_the_only_import_state_that_differs(torch_runs: TorchRuns) -> None:
     """A warm worker finds torch (and what it imports) already in sys.modules before its
     first line; once the worker imported torch itself, the state torch's import leaves
@@ -1427,56 +1474,135 @@ def test_interpreters_that_keep_dying_while_importing_turn_warm_starts_off(
         release.write_text("")
 
 
-def _full_pool_of_two(harness: Harness, tmp_path: Path) -> tuple[WarmPool, WorkerLaunch]:
-    """A pool two deep for local rank 0 of the exit:0 probe, both interpreters ready."""
+# Imported ahead by the interpreters of the pools below: marks each interpreter that runs
+# its preload. A copy forked from a ready interpreter never does.
+MARK = """
+import os
+open(os.path.join(os.environ["MARKS"], str(os.getpid())), "w").close()
+"""
+
+
+def _marking_pool(harness: Harness, tmp_path: Path) -> tuple[WarmPool, WorkerLaunch, Path]:
+    """A pool two deep for local rank 0 of the exit:0 probe, full, whose preload marks
+    each interpreter that imports (in the returned folder)."""
+    write_probe(tmp_path)
+    (tmp_path / "preload").mkdir()
+    (tmp_path / "preload" / "mark.py").write_text(MARK)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = base_env(PYTHONPATH=str(tmp_path / "preload"), MARKS=str(marks))
+    launch = make_launch(tmp_path / "runs" / "w", 0, build_argv("src/probe.py", ["exit:0"]), env)
+    pool = harness.pool(["mark"], depth=2)
+    pool.refill({0: (launch.argv, launch.env)})
+    assert pool.wait_ready(READY_WITHIN, every=2), "the pool did not fill"
+    return pool, launch, marks
+
+
+def _imported(marks: Path) -> set[int]:
+    return {int(p.name) for p in marks.iterdir()}
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_refill_forks_a_ready_interpreter_and_imports_only_when_none_is_left(
+    harness: Harness, tmp_path: Path
+) -> None:
+    pool, launch, marks = _marking_pool(harness, tmp_path)
+    full = warm_pids(pool, 0)
+    assert len(full) == 2 and len(_imported(marks)) == 1, "filled by one import and one fork"
+    assert forked_pids(pool, 0) == [p for p in full if p not in _imported(marks)]
+    assert all(_parent(p) == os.getpid() for p in full), "a forked copy is this process's child"
+
+    group = harness.start([launch], pool=pool, cwd=tmp_path)  # takes one: one is left
+    pool.refill({0: (launch.argv, launch.env)})  # forks the one left: full on return
+    assert pool.ready_count(0) == 2
+    [copy] = [p for p in warm_pids(pool, 0) if p not in full]
+    assert copy not in _imported(marks) and _parent(copy) == os.getpid()
+    assert harness.finish(group)[0].returncode == 0
+
+    # A rank left with no ready interpreter imports one at once, then forks it.
+    first = harness.start([launch], pool=pool, cwd=tmp_path)
+    second = harness.start([launch], pool=pool, cwd=tmp_path)
+    assert pool.ready_count(0) == 0
+    before = _imported(marks)
+    pool.refill({0: (launch.argv, launch.env)})
+    assert len(warm_pids(pool, 0)) == 1, "a rank with nothing ready imports one, at once"
+    assert pool.wait_ready(READY_WITHIN, every=2), "the import was not forked for the rest"
+    assert len(_imported(marks) - before) == 1
+    assert harness.finish(first)[0].returncode == 0
+    assert harness.finish(second)[0].returncode == 0
+
+
+def test_close_right_after_a_fork_reaps_the_copies_and_the_rest(
+    harness: Harness, tmp_path: Path
+) -> None:
+    # The copies are this process's children, adopted: close must reap them as it reaps
+    # the interpreters it started (no zombie left here).
+    pool, launch, _ = _marking_pool(harness, tmp_path)
+    group = harness.start([launch], pool=pool, cwd=tmp_path)
+    pool.refill({0: (launch.argv, launch.env)})
+    held = warm_pids(pool, 0)
+    assert len(held) == 2 and forked_pids(pool, 0)
+    pool.close()
+    for pid in held:
+        assert wait_gone(pid), f"warm pid {pid} left after close()"
+    pool.refill({0: (launch.argv, launch.env)})  # a closed pool forks nothing
+    assert warm_pids(pool, 0) == []
+    assert harness.finish(group)[0].returncode == 0
+
+
+def test_a_pool_that_cannot_fork_refills_by_importing_with_one_warning(
+    harness: Harness, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    # A kernel or sandbox that refuses the subreaper mark (or the fork): the pool must
+    # not throw its live interpreters away one after another; it imports, as before.
+    def refused() -> contextlib.AbstractContextManager[None]:
+        raise OSError(errno.EPERM, "prctl(36) failed")
+
+    monkeypatch.setattr(agent.workers.warm_interpreter, "adopting", refused)
     write_probe(tmp_path)
     launch = make_launch(tmp_path / "runs" / "w", 0, build_argv("src/probe.py", ["exit:0"]),
                          base_env())  # fmt: skip
     pool = harness.pool([], depth=2)
+    with caplog.at_level(logging.WARNING, logger="agent.workers.warm"):
+        pool.refill({0: (launch.argv, launch.env)})
+        assert pool.wait_ready(READY_WITHIN, every=2), "the pool did not fill by imports"
+    assert forked_pids(pool, 0) == [] and len(warm_pids(pool, 0)) == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "warm start: local rank 0: a warm interpreter could not be forked (PermissionError: "
+        "[Errno 1] prctl(36) failed); refills import new interpreters from now on"
+    ]
+    group = harness.start([launch], pool=pool, cwd=tmp_path)
     pool.refill({0: (launch.argv, launch.env)})
-    deadline = time.monotonic() + READY_WITHIN
-    while len(warm_pids(pool, 0)) < 2 or pool.ready_count(0) < 2:
-        assert time.monotonic() < deadline, "the pool did not fill"
-        time.sleep(0.05)
-    return pool, launch
+    assert forked_pids(pool, 0) == []
+    assert harness.finish(group)[0].returncode == 0
 
 
-def test_a_deferred_refill_waits_while_a_ready_interpreter_is_left(
-    harness: Harness, tmp_path: Path
+def test_ready_interpreters_killed_while_idle_are_dropped_at_the_next_refill(
+    harness: Harness, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    pool, launch = _full_pool_of_two(harness, tmp_path)
-    group = harness.start([launch], pool=pool, cwd=tmp_path)  # takes one: one is left
-    assert len(warm_pids(pool, 0)) == 1
-    pool.refill({0: (launch.argv, launch.env)}, defer=2.0)
-    time.sleep(1.0)
-    assert len(warm_pids(pool, 0)) == 1, "the import started before its deferral ended"
+    # The OOM killer takes a rank's spares: the next refill must not count them (nor try
+    # to fork them): it drops each with one warning and imports, then forks that one.
+    pool, launch, marks = _marking_pool(harness, tmp_path)
+    victims = warm_pids(pool, 0)
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while len(warm_pids(pool, 0)) < 2:
-        assert time.monotonic() < deadline, "the deferred import never started"
-        time.sleep(0.05)
-    assert harness.finish(group)[0].returncode == 0
-    # A rank left with no ready interpreter tops up at once, deferral or not.
-    group = harness.start([launch], pool=pool, cwd=tmp_path)
-    group2 = harness.start([launch], pool=pool, cwd=tmp_path)
-    assert pool.ready_count(0) == 0
-    pool.refill({0: (launch.argv, launch.env)}, defer=30.0)
-    assert len(warm_pids(pool, 0)) == 1, "a rank with nothing ready must not wait"
-    assert harness.finish(group)[0].returncode == 0
-    assert harness.finish(group2)[0].returncode == 0
-
-
-def test_a_pool_closed_during_a_deferred_refill_starts_nothing_after(
-    harness: Harness, tmp_path: Path
-) -> None:
-    # The worst moment for the deferral: the agent stops (a signal, the run closed) while a
-    # refill waits. The timer fires later into a closed pool: no interpreter may start then,
-    # since nothing would ever reap it.
-    pool, launch = _full_pool_of_two(harness, tmp_path)
-    group = harness.start([launch], pool=pool, cwd=tmp_path)
-    [left] = warm_pids(pool, 0)
-    pool.refill({0: (launch.argv, launch.env)}, defer=1.0)
-    pool.close()
-    assert wait_gone(left), "close left an idle interpreter running"
-    time.sleep(2.0)  # past the deferral
-    assert warm_pids(pool, 0) == []
-    assert harness.finish(group)[0].returncode == 0
+    while any(alive(p) for p in victims):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    before = _imported(marks)
+    with caplog.at_level(logging.WARNING, logger="agent.workers.warm"):
+        pool.refill({0: (launch.argv, launch.env)})
+        assert pool.wait_ready(READY_WITHIN, every=2), "the pool did not fill again"
+    dropped = (
+        "warm start: local rank 0: a warm interpreter died while it waited (exit code -9); "
+        "dropping it"
+    )
+    assert [r.getMessage() for r in caplog.records] == [dropped, dropped]
+    assert not set(warm_pids(pool, 0)) & set(victims)
+    assert len(_imported(marks) - before) == 1 and len(forked_pids(pool, 0)) == 1
+    assert all(wait_gone(p) for p in victims), "a dropped interpreter was not reaped"

@@ -26,6 +26,7 @@ from tests.integration.test_warm_start import (
     Harness,
     alive,
     base_env,
+    forked_pids,
     harness,
     make_launch,
     wait_gone,
@@ -141,16 +142,18 @@ def test_a_stuck_first_import_is_given_up_and_replaced(harness: Harness, tmp_pat
         _release(release)
 
 
-def test_before_the_first_round_the_whole_pool_imports_at_once(
+def test_before_the_first_round_the_pool_is_full_once_its_one_import_is_done(
     harness: Harness, tmp_path: Path
 ) -> None:
     # A crash in the first seconds of a run finds a spare ready, as a late crash does:
-    # before the first round the pool starts every interpreter at once (no worker runs).
+    # before the first round the pool imports one interpreter per local rank and forks
+    # it for the rest (no second import on the cores the first one needs).
     write_probe(tmp_path)
     launch = make_launch(tmp_path / "runs" / "w", 0, build_argv("src/probe.py", ["exit:0"]),
                          base_env())  # fmt: skip
     pool = harness.pool([], depth=2)
-    pool.refill({0: (launch.argv, launch.env)}, at_once=True)
-    assert len(warm_pids(pool, 0)) == 2
+    pool.refill({0: (launch.argv, launch.env)})
+    assert len(warm_pids(pool, 0)) == 1
     assert pool.wait_ready(READY_WITHIN, every=2)
     assert pool.ready_count(0) == 2
+    assert len(forked_pids(pool, 0)) == 1

@@ -77,3 +77,30 @@ def test_an_interpreter_past_its_preload_is_marked_ready_and_the_stuck_one_is_no
     # A mark names the process by its start time too: a pid reused later is not ready.
     os.rename(next(tmp_path.glob(f"ready-{spare.pid}-*")), tmp_path / f"ready-{spare.pid}-1")
     assert _ready_rank(tmp_path, spare.pid) is None
+
+
+# Imports, forks a copy (as the warm pool refills), and waits; the copy writes its pid.
+_FORKS = """
+import chaos_stall, os, sys
+if os.fork() == 0:
+    print(os.getpid(), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_copy_forked_from_a_marked_interpreter_marks_itself(
+    tmp_path: Path, started: list[subprocess.Popen[bytes]]
+) -> None:
+    env = {**os.environ, "PYTHONPATH": str(PRELOAD), "CHAOS_STALL_DIR": str(tmp_path),
+           "LOCAL_RANK": "1"}  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _FORKS], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+    )
+    started.append(proc)
+    assert proc.stdout is not None
+    copy = int(proc.stdout.readline())
+    try:
+        assert _ready_rank(tmp_path, proc.pid) == "1"
+        assert _ready_rank(tmp_path, copy) == "1"
+    finally:
+        os.kill(copy, 9)

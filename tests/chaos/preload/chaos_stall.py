@@ -20,11 +20,16 @@ if _DIR:
         # Not the one to hang: this interpreter is about to say it is ready. The harness
         # counts spares by this mark, not by their CPU time alone: on a loaded machine an
         # interpreter still importing can get no CPU for a second, and an import stuck
-        # in an earlier fault uses none either.
-        with open(f"/proc/{os.getpid()}/stat") as _stat:
-            _start = _stat.read().rsplit(")", 1)[1].split()[19]  # field 22, starttime
-        with open(os.path.join(_DIR, f"ready-{os.getpid()}-{_start}"), "w") as _ready:
-            _ready.write(os.environ.get("LOCAL_RANK", ""))  # spares serve one local rank
+        # in an earlier fault uses none either. A copy the pool forks from a ready one
+        # never imports: it marks itself as it is forked.
+        def _mark_ready() -> None:
+            with open(f"/proc/{os.getpid()}/stat") as stat:
+                start = stat.read().rsplit(")", 1)[1].split()[19]  # field 22, starttime
+            with open(os.path.join(_DIR, f"ready-{os.getpid()}-{start}"), "w") as ready:
+                ready.write(os.environ.get("LOCAL_RANK", ""))  # spares serve one local rank
+
+        _mark_ready()
+        os.register_at_fork(after_in_child=_mark_ready)
     else:
         with open(_ARM + ".taken", "w") as _taken:
             _taken.write(str(os.getpid()))  # the harness tells the stuck one from the others
