@@ -11,7 +11,9 @@ harness switches its mode at any time:
     fill and TCP flow control stalls both peers, as on a cut link; what was in flight is
     delivered once the mode changes back (as TCP retransmission would).
 ``delay``
-    every chunk, both ways, goes out ``delay`` seconds after it arrived (order kept).
+    every chunk, both ways, goes out ``delay`` seconds after it arrived (order kept);
+    the member's answers may have a delay of their own (``answer_delay``: a request
+    applied at once whose answer comes too late, without depending on timing).
 ``reset``
     every open connection is closed with a TCP RST (``SO_LINGER`` 0) on both sides, and
     every new one is reset right after it is accepted, while the mode lasts.
@@ -111,6 +113,7 @@ class TcpFaultProxy:
         self._lock = threading.Lock()
         self._mode = Mode.PASS
         self._delay = 0.0
+        self._answer_delay = 0.0
         self._stop = False
         self._closed = False
         self.failure: BaseException | None = None
@@ -132,13 +135,19 @@ class TcpFaultProxy:
 
     # -- control (any thread) -------------------------------------------------------------
 
-    def set_mode(self, mode: Mode, delay: float = 0.0) -> None:
-        """Switch to ``mode`` (``delay`` seconds for :attr:`Mode.DELAY`); takes effect at
-        once for every open and every new connection."""
-        if delay < 0:
-            raise ValueError(f"proxy delay must be >= 0 seconds, got {delay}")
+    def set_mode(
+        self, mode: Mode, delay: float = 0.0, *, answer_delay: float | None = None
+    ) -> None:
+        """Switch to ``mode`` (``delay`` seconds for :attr:`Mode.DELAY`, ``answer_delay``
+        for the member's answers: ``delay`` unless given); takes effect at once for every
+        open and every new connection."""
+        answers = delay if answer_delay is None else answer_delay
+        if delay < 0 or answers < 0:
+            raise ValueError(f"proxy delay must be >= 0 seconds, got {min(delay, answers)}")
+        delaying = mode is Mode.DELAY
         with self._lock:
-            self._mode, self._delay = mode, delay if mode is Mode.DELAY else 0.0
+            self._mode = mode
+            self._delay, self._answer_delay = (delay, answers) if delaying else (0.0, 0.0)
         self._wake()
 
     @property
@@ -217,7 +226,7 @@ class TcpFaultProxy:
             # set_mode() returned must get the new delay even when the select woke for
             # it and for the mode change in one batch (or the wake was lost).
             with self._lock:
-                delay = self._delay
+                delays = {"client": self._delay, "up": self._answer_delay}
             for key, mask in events:
                 if key.data == "listen":
                     self._accept()
@@ -226,7 +235,7 @@ class TcpFaultProxy:
                         self._wake_r.recv(4096)
                 else:
                     conn, which = key.data
-                    self._on_ready(conn, which, mask, now + delay)
+                    self._on_ready(conn, which, mask, now + delays[which])
 
     def _timeout(self, mode: Mode, now: float) -> float:
         """Until the next chunk falls due; chunks already due wait on writability."""

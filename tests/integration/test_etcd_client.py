@@ -229,18 +229,19 @@ def test_a_grant_answered_too_late_and_retried_leaves_exactly_one_lease(
     etcd1: EtcdCluster,
 ) -> None:
     # The worst moment for a grant: etcd applies it but the answer misses the attempt's
-    # deadline. The proxy delays each way by 0.6 s, so the grant is applied at 0.6 s and
-    # answered at 1.2 s, past the 1 s attempt; the retry on the direct endpoint comes
-    # after the first was applied, and must get that lease, not a second one.
+    # deadline. The proxy passes the request at once and holds every answer for 60 s, so
+    # the grant is applied within milliseconds and its answer never comes in time,
+    # whatever the machine's load (a 0.6 s delay each way, 1.2 s against the 1 s attempt,
+    # was once answered in 0.60 s on a loaded machine); the retry on the direct endpoint
+    # a second later must get that lease, not a second one.
     with _behind_a_proxy(etcd1, "late-member", request_timeout=1.0) as (proxy, client):
         client.get(b"/warm-up")  # the channel through the proxy is up before the delay
         before = _leases_granted(etcd1)
-        proxy.set_mode(Mode.DELAY, delay=0.6)
+        proxy.set_mode(Mode.DELAY, delay=0.0, answer_delay=60.0)
         began = time.monotonic()
         lease = client.lease_grant(30)
         took = time.monotonic() - began
         proxy.set_mode(Mode.PASS)
-        time.sleep(1.5)  # anything still in the proxy has reached etcd
         assert took >= 1.0, f"the first attempt was answered in time ({took:.2f} s)"
         assert _leases_granted(etcd1) - before == 1
         assert client.lease_time_to_live(lease) > 0

@@ -144,6 +144,19 @@ def test_delay_adds_latency_each_way_and_keeps_order(proxy: TcpFaultProxy) -> No
     assert 0.5 <= took < 3.0, f"round trip took {took:.3f} s through two 0.25 s delays"
 
 
+def test_answer_delay_holds_the_answers_and_passes_the_requests(proxy: TcpFaultProxy) -> None:
+    # A request applied at once whose answer misses its deadline, with no timing margin
+    # to lose: the echo server has the bytes at once, the client gets them only later.
+    proxy.set_mode(Mode.DELAY, 0.0, answer_delay=30.0)
+    with _connect(proxy) as sock:
+        sock.sendall(b"q")
+        assert _nothing_arrives(sock)
+        assert proxy.stats.bytes_down == 1, "the request did not reach the server at once"
+        proxy.set_mode(Mode.DELAY, 0.0, answer_delay=0.0)
+        sock.sendall(b"r")
+        assert _nothing_arrives(sock), "an answer overtook the one still held"
+
+
 class _DeafProxy(TcpFaultProxy):
     """A proxy whose thread is never woken by a mode change: it learns of one only when
     traffic (or its longest wait) wakes it, as when the wake and the data land in one
