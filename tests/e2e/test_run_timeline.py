@@ -120,16 +120,22 @@ def test_rdzvctl_events_lists_a_failure_a_node_loss_and_a_drain_in_order(
     ]
     joins = sorted(s for s in story[:3])
     assert joins == sorted(("joined", n, "", 0) for n in nodes), events
-    assert story[3:] == [
+    assert story[3:8] == [
         ("round_completed", "", "", 3),
         ("round_completed", "", "", 3),
         ("departed", nodes[1], "lease_expired", 0),
         ("round_completed", "", "", 2),
         ("drain_requested", drained_id, "", 0),
+    ], json.dumps(events, indent=1)
+    # A node being drained counts as lost while its key lives (its workers stop first),
+    # so the survivor's round without it and its departure (its key gone) race: either
+    # may be written first, and both are true in either order (seen both ways once the
+    # restarts got fast).
+    assert sorted(story[8:10]) == [
         ("departed", drained_id, "drained", 0),
         ("round_completed", "", "", 1),
-        ("closed", "", "", 0),
     ], json.dumps(events, indent=1)
+    assert story[10:] == [("closed", "", "", 0)], json.dumps(events, indent=1)
     # The failure's restart comes between the first two rounds, with its root cause.
     first, second = rounds[0]["revision"], rounds[1]["revision"]
     between = [e for e in events if e["kind"] == "restarted" and first < e["revision"] < second]
