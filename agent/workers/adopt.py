@@ -33,10 +33,15 @@ _holders = 0
 _was_marked: bool | None = None  # the mark this process had before the first hold
 
 
+_libc: ctypes.CDLL | None = None
+
+
 def _prctl(option: int, value: int | ctypes.c_int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)  # once: a fork is on a restart's path
     arg = ctypes.byref(value) if isinstance(value, ctypes.c_int) else value
-    if libc.prctl(option, arg, 0, 0, 0) != 0:
+    if _libc.prctl(option, arg, 0, 0, 0) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"prctl({option}) failed")
 

@@ -155,7 +155,7 @@ class WarmPool:
                     if self._closed or template is None or len(kept) >= self._depth:
                         return
                     target, env = template
-                    source = next((w for w in kept if _can_fork(w, target, env)), None)
+                    source = next((w for w in kept if _ready_fit(w, target, env)), None)
                     importing = any(not w.ready.is_set() for w in kept)
                 if source is None or not self._forks:
                     if not importing:
@@ -182,17 +182,16 @@ class WarmPool:
 
     def _fork(self, local_rank: int, source: WarmInterpreter) -> None:
         copy = source.fork()
-        if isinstance(copy, str) and source.spawned.process.poll() is None:
-            # It lives, and still could not be forked (no subreaper mark, no fork): the
-            # next fork would fail the same way. Refills import, as before forks.
-            log.warning(
-                "warm start: local rank %d: a warm interpreter could not be forked (%s); "
-                "refills import new interpreters from now on", local_rank, copy,
-            )  # fmt: skip
-            self._forks = False
-            return
         if isinstance(copy, str):
-            return  # it died: dropped next (_drop_dead)
+            if source.spawned.process.poll() is None:
+                # It lives, and still could not be forked (no subreaper mark, no fork):
+                # the next fork would fail the same way. Refills import, as before forks.
+                log.warning(
+                    "warm start: local rank %d: a warm interpreter could not be forked "
+                    "(%s); refills import new interpreters from now on", local_rank, copy,
+                )  # fmt: skip
+                self._forks = False
+            return  # else it died: dropped next (_drop_dead)
         with self._lock:
             closed = self._closed
             if not closed:
@@ -336,7 +335,7 @@ class WarmPool:
             def ready(rank: int) -> WarmInterpreter | None:
                 target, env = targets[rank]
                 slot = self._slots.get(rank, [])
-                return next((w for w in slot if fits(w, target, env) and w.ready.is_set()), None)
+                return next((w for w in slot if _ready_fit(w, target, env)), None)
 
             def waiting() -> bool:  # a rank with none ready and a fitting one importing
                 return any(
@@ -370,10 +369,10 @@ class WarmPool:
             warm.discard()
 
 
-def _can_fork(warm: WarmInterpreter, target: WarmTarget, env: Mapping[str, str]) -> bool:
-    """Whether ``warm`` is ready, alive and fit for ``target``/``env``: one to hand a
-    worker over to, or to fork."""
-    return fits(warm, target, env) and warm.ready.is_set() and warm.spawned.process.poll() is None
+def _ready_fit(warm: WarmInterpreter, target: WarmTarget, env: Mapping[str, str]) -> bool:
+    """Whether ``warm`` is ready and fit for ``target``/``env``: one to hand a worker
+    over to, or to fork (one that died meanwhile fails either, and is dropped)."""
+    return fits(warm, target, env) and warm.ready.is_set()
 
 
 def hand_over(
