@@ -217,6 +217,7 @@ def _fork_sibling(sock: socket.socket) -> socket.socket | None:
         warnings.simplefilter("ignore", DeprecationWarning)  # fork with BLAS threads
         middle = os.fork()
         if middle == 0:
+            middle = os.getpid()  # the copy's parent until this process exits
             copy = os.fork()
             if copy != 0:
                 os.write(write_pid, str(copy).encode())
@@ -225,7 +226,7 @@ def _fork_sibling(sock: socket.socket) -> socket.socket | None:
                 end.close()
             for fd in (read_pid, write_pid):
                 os.close(fd)
-            _adopted(agent, threads)
+            _adopted(agent, middle, threads)
             return theirs
     theirs.close()
     os.close(write_pid)
@@ -240,11 +241,11 @@ def _fork_sibling(sock: socket.socket) -> socket.socket | None:
     return None
 
 
-def _adopted(agent: int, threads: int) -> None:
-    """In a forked copy: wait to be the agent's child, then arm the parent-death signal
-    and lead a session, as a started worker does; restart numpy's BLAS threads."""
+def _adopted(agent: int, middle: int, threads: int) -> None:
+    """In a forked copy: wait to be the agent's child (``middle`` is the parent until
+    then), then arm the parent-death signal and lead a session, as a started worker
+    does; restart numpy's BLAS threads."""
     deadline = time.monotonic() + _ADOPTION_S
-    middle = os.getppid()
     while (parent := os.getppid()) != agent:  # the middle process is exiting
         if parent != middle or time.monotonic() > deadline:
             os._exit(_EXIT_NOT_ADOPTED)  # given to another: the agent is gone
