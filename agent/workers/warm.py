@@ -34,11 +34,13 @@ from collections.abc import Mapping, Sequence
 from agent.workers.warm_interpreter import (
     LATE_KEYS,
     ImportBounds,
+    NotForked,
     WarmInterpreter,
     WarmTarget,
     counted,
     env_compatible,
     fits,
+    ready_fit,
     warm_target,
 )
 from coordinator.core.lifeline import Spawned
@@ -55,9 +57,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# How long a worker waits for its warm interpreter that is still importing. It started
-# before this worker was asked for, so it is ahead of any cold start on the same cores;
-# a cold start is the fallback only after this, or when the caller is interrupted.
+# How long a worker waits for its warm interpreter still importing (it started before
+# the worker was asked for: ahead of any cold start); after it, or interrupted: cold.
 _READY_WAIT = 30.0
 # Interpreters in a row that may die while importing without a report (killed from
 # outside, or given up as stuck) before warm starts are turned off; a reported failure
@@ -155,7 +156,7 @@ class WarmPool:
                     if self._closed or template is None or len(kept) >= self._depth:
                         return
                     target, env = template
-                    source = next((w for w in kept if _ready_fit(w, target, env)), None)
+                    source = next((w for w in kept if ready_fit(w, target, env)), None)
                     importing = any(not w.ready.is_set() for w in kept)
                 if source is None or not self._forks:
                     if not importing:
@@ -163,35 +164,43 @@ class WarmPool:
                     return
                 self._fork(local_rank, source)
 
+    def _drop(self, local_rank: int, warm: WarmInterpreter, why: str) -> None:
+        """Take ``warm`` out of its rank's slot and stop it, saying ``why``."""
+        with self._lock:
+            slot = self._slots.get(local_rank, [])
+            slot[:] = [w for w in slot if w is not warm]
+        log.warning("warm start: local rank %d: a warm interpreter %s; dropping it",
+                    local_rank, why)  # fmt: skip
+        warm.discard()
+
     def _drop_dead(self, local_rank: int) -> None:
         """Drop the ready processes of ``local_rank`` that died while they waited (the
         OOM killer, an operator): they count for nothing, and the rank must import."""
         with self._lock:
-            slot = self._slots.get(local_rank, [])
             dead = [
-                w for w in slot
+                w for w in self._slots.get(local_rank, [])
                 if w.ready.is_set() and not w.failed and w.spawned.process.poll() is not None
             ]  # fmt: skip
-            slot[:] = [w for w in slot if w not in dead]
         for warm in dead:
-            log.warning(
-                "warm start: local rank %d: a warm interpreter died while it waited (exit "
-                "code %s); dropping it", local_rank, warm.spawned.process.returncode,
-            )  # fmt: skip
-            warm.discard()
+            code = warm.spawned.process.returncode
+            self._drop(local_rank, warm, f"died while it waited (exit code {code})")
 
     def _fork(self, local_rank: int, source: WarmInterpreter) -> None:
         copy = source.fork()
-        if isinstance(copy, str):
-            if source.spawned.process.poll() is None:
-                # It lives, and still could not be forked (no subreaper mark, no fork):
-                # the next fork would fail the same way. Refills import, as before forks.
-                log.warning(
-                    "warm start: local rank %d: a warm interpreter could not be forked "
-                    "(%s); refills import new interpreters from now on", local_rank, copy,
-                )  # fmt: skip
-                self._forks = False
-            return  # else it died: dropped next (_drop_dead)
+        if isinstance(copy, NotForked):
+            if source.spawned.process.poll() is not None:
+                return  # it died: dropped next (_drop_dead)
+            if copy.source_at_fault:  # stopped, hung, confused: no spare; the next may fork
+                self._drop(local_rank, source, f"did not fork ({copy.reason})")
+                return
+            # It lives, and could not be forked (no subreaper mark, no fork): the next
+            # would fail alike. Refills import, as before forks.
+            log.warning(
+                "warm start: local rank %d: a warm interpreter could not be forked "
+                "(%s); refills import new interpreters from now on", local_rank, copy.reason,
+            )  # fmt: skip
+            self._forks = False
+            return
         with self._lock:
             closed = self._closed
             if not closed:
@@ -335,7 +344,7 @@ class WarmPool:
             def ready(rank: int) -> WarmInterpreter | None:
                 target, env = targets[rank]
                 slot = self._slots.get(rank, [])
-                return next((w for w in slot if _ready_fit(w, target, env)), None)
+                return next((w for w in slot if ready_fit(w, target, env)), None)
 
             def waiting() -> bool:  # a rank with none ready and a fitting one importing
                 return any(
@@ -367,12 +376,6 @@ class WarmPool:
             self._slots = {}
         for warm in unused:
             warm.discard()
-
-
-def _ready_fit(warm: WarmInterpreter, target: WarmTarget, env: Mapping[str, str]) -> bool:
-    """Whether ``warm`` is ready and fit for ``target``/``env``: one to hand a worker
-    over to, or to fork (one that died meanwhile fails either, and is dropped)."""
-    return fits(warm, target, env) and warm.ready.is_set()
 
 
 def hand_over(

@@ -23,12 +23,14 @@ from coordinator.core.lifeline import Spawned, spawn
 __all__ = [
     "LATE_KEYS",
     "ImportBounds",
+    "NotForked",
     "WarmInterpreter",
     "WarmTarget",
     "counted",
     "cpu_ticks",
     "env_compatible",
     "fits",
+    "ready_fit",
     "warm_target",
 ]
 
@@ -45,6 +47,26 @@ LATE_KEYS = frozenset(
 _PROGRAM = str(Path(__file__).with_name("warm_process.py"))
 _HANDOVER_TIMEOUT = 5.0  # seconds for a ready process to confirm it took the request
 _FORK_TIMEOUT = 10.0  # seconds for a ready process's forked copy to say it is ready
+
+
+@dataclass(frozen=True)
+class NotForked:
+    """Why :meth:`WarmInterpreter.fork` gave no copy. ``source_at_fault``: the ready
+    process did not answer as one does (stopped, hung, a wrong answer): drop it, another
+    may fork. Otherwise (the subreaper mark refused, the copy failed) the next fork would
+    fail alike."""
+
+    reason: str
+    source_at_fault: bool
+
+
+def _stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (SIGSTOP, a tracer): it would not answer a request."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("T", "t")
 
 
 @dataclass(frozen=True)
@@ -233,23 +255,29 @@ class WarmInterpreter:
             return None
         return answer.decode(errors="replace") or "it exited"
 
-    def fork(self) -> WarmInterpreter | str:
+    def fork(self) -> WarmInterpreter | NotForked:
         """A ready copy of this ready process, adopted by this one as its child (see
         :mod:`agent.workers.adopt`): milliseconds, where a new interpreter imports for
-        seconds. Else why not (this process died, or the copy did not come)."""
+        seconds. Else why not (this process died or is stopped, or the copy did not
+        come). A stopped process is not asked: it would hold the caller for the timeout."""
+        if _stopped(self.spawned.process.pid):
+            return NotForked("it is stopped (SIGSTOP?) and would not answer", True)
         with self._talk, contextlib.ExitStack() as window:
             try:
                 window.enter_context(adopting())
+            except OSError as exc:
+                return NotForked(f"{type(exc).__name__}: {exc}", False)
+            try:
                 self.sock.settimeout(_FORK_TIMEOUT)
                 self.sock.send(b'{"fork": 1}')
                 answer, fds, _, _ = socket.recv_fds(self.sock, 64, 1)
             except OSError as exc:
-                return f"{type(exc).__name__}: {exc}"
+                return NotForked(f"{type(exc).__name__}: {exc}", True)
             what, _, number = answer.decode(errors="replace").partition(" ")
             if what != "forked" or not number.isdigit() or len(fds) != 1:
                 for fd in fds:
                     os.close(fd)
-                return f"it answered {answer!r}" if answer else "it exited"
+                return NotForked(f"it answered {answer!r}" if answer else "it exited", True)
             process = AdoptedProcess(int(number), self.spawned.argv)
             copy = socket.socket(fileno=fds[0])
             try:
@@ -260,7 +288,7 @@ class WarmInterpreter:
         if report != f"ready {process.pid}".encode():
             copy.close()
             _kill_and_reap(process)
-            return f"the copy said {report!r}" if report else "the copy exited"
+            return NotForked(f"the copy said {report!r}" if report else "the copy exited", False)
         sibling = WarmInterpreter(Spawned(process, self.spawned.argv), copy, self.python, self.env)
         sibling.forked = True
         sibling.ready.set()
@@ -291,3 +319,9 @@ def counted(slot: Sequence[WarmInterpreter]) -> list[WarmInterpreter]:
 def fits(warm: WarmInterpreter, target: WarmTarget, env: Mapping[str, str]) -> bool:
     """Whether ``warm`` may become a worker running ``target`` with ``env``."""
     return warm.failed is None and warm.python == target.python and env_compatible(warm.env, env)
+
+
+def ready_fit(warm: WarmInterpreter, target: WarmTarget, env: Mapping[str, str]) -> bool:
+    """Whether ``warm`` is ready and fit for ``target``/``env``: one to hand a worker
+    over to, or to fork (one that died meanwhile fails either, and is dropped)."""
+    return fits(warm, target, env) and warm.ready.is_set()

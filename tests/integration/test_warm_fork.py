@@ -14,6 +14,7 @@ import errno
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -217,3 +218,39 @@ def test_a_copy_nobody_adopts_exits_at_once_and_the_pool_imports_instead(
     while set(_running_with(marker)) - set(warm_pids(pool, 0)):
         assert time.monotonic() < deadline, "a copy nobody adopted lives on"
         time.sleep(0.05)
+
+
+def test_a_stopped_spare_is_dropped_at_once_and_the_pool_keeps_forking(
+    harness: Harness, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A ready interpreter SIGSTOPped (by an operator, a debugger, a frozen cgroup) would
+    # not answer a fork request: asked anyway, the refill waited 10 s, then turned forking
+    # off for good. It is dropped without being asked, and the next source forks.
+    pool, launch, marks = _marking_pool(harness, tmp_path)
+    # The thread that waited for the import forks once it is ready, and then tops the rank
+    # up once more: let it end, so that nothing forks beside this test's refill.
+    for thread in threading.enumerate():
+        if thread.name == "warm start 0":
+            thread.join(30)
+    group = harness.start([launch], pool=pool, cwd=tmp_path)  # takes one: one is left
+    [stopped] = warm_pids(pool, 0)
+    os.kill(stopped, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{stopped}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, "SIGSTOP did not stop the interpreter"
+        time.sleep(0.01)
+    before = _imported(marks)
+    with caplog.at_level(logging.WARNING, logger="agent.workers.warm"):
+        start = time.monotonic()
+        pool.refill({0: (launch.argv, launch.env)})
+        took = time.monotonic() - start
+        assert pool.wait_ready(READY_WITHIN, every=2), "the pool did not fill again"
+    assert took < 5, f"the refill waited {took:.1f} s on the stopped interpreter"
+    assert [r.getMessage() for r in caplog.records] == [
+        "warm start: local rank 0: a warm interpreter did not fork (it is stopped (SIGSTOP?) "
+        "and would not answer); dropping it"
+    ]
+    assert wait_gone(stopped), "the stopped interpreter was not killed and reaped"
+    # The rank imported one, then forked it for the rest: forking is still on.
+    assert len(_imported(marks) - before) == 1 and len(forked_pids(pool, 0)) == 1
+    assert harness.finish(group)[0].returncode == 0
