@@ -60,13 +60,21 @@ class NotForked:
     source_at_fault: bool
 
 
+def _stat(pid: int) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first).
+
+    Raises:
+        OSError: no such process.
+    """
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def _stopped(pid: int) -> bool:
     """Whether ``pid`` is stopped (SIGSTOP, a tracer): it would not answer a request."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+        return _stat(pid)[0] in ("T", "t")
+    except OSError:
         return False
-    return state in ("T", "t")
 
 
 @dataclass(frozen=True)
@@ -97,7 +105,7 @@ def cpu_ticks(pid: int) -> int:
     Raises:
         OSError: no such process.
     """
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = _stat(pid)
     return int(fields[11]) + int(fields[12])  # utime and stime (fields 14 and 15)
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import agent.workers.warm_interpreter
-from agent.workers.group import build_argv
+from agent.workers.group import WorkerGroup, build_argv
 from agent.workers.launch import WorkerLaunch
 from agent.workers.warm import WarmPool
 from tests.integration.test_warm_start import (
@@ -64,6 +64,20 @@ def _marking_pool(harness: Harness, tmp_path: Path) -> tuple[WarmPool, WorkerLau
     pool.refill({0: (launch.argv, launch.env)})
     assert pool.wait_ready(READY_WITHIN, every=2), "the pool did not fill"
     return pool, launch, marks
+
+
+def _one_left(
+    harness: Harness, pool: WarmPool, launch: WorkerLaunch, cwd: Path
+) -> tuple[WorkerGroup, int]:
+    """Start a group from a full pool two deep, once the thread that waited for the
+    import has ended (it forks, then tops the rank up once more: nothing may fork beside
+    the test's own refill); returns the group and the one ready interpreter left."""
+    for thread in threading.enumerate():
+        if thread.name == "warm start 0":
+            thread.join(30)
+    group = harness.start([launch], pool=pool, cwd=cwd)
+    [left] = warm_pids(pool, 0)
+    return group, left
 
 
 def _imported(marks: Path) -> set[int]:
@@ -227,16 +241,10 @@ def test_a_stopped_spare_is_dropped_at_once_and_the_pool_keeps_forking(
     # not answer a fork request: asked anyway, the refill waited 10 s, then turned forking
     # off for good. It is dropped without being asked, and the next source forks.
     pool, launch, marks = _marking_pool(harness, tmp_path)
-    # The thread that waited for the import forks once it is ready, and then tops the rank
-    # up once more: let it end, so that nothing forks beside this test's refill.
-    for thread in threading.enumerate():
-        if thread.name == "warm start 0":
-            thread.join(30)
-    group = harness.start([launch], pool=pool, cwd=tmp_path)  # takes one: one is left
-    [stopped] = warm_pids(pool, 0)
+    group, stopped = _one_left(harness, pool, launch, tmp_path)
     os.kill(stopped, signal.SIGSTOP)
     deadline = time.monotonic() + 10
-    while Path(f"/proc/{stopped}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+    while not agent.workers.warm_interpreter._stopped(stopped):
         assert time.monotonic() < deadline, "SIGSTOP did not stop the interpreter"
         time.sleep(0.01)
     before = _imported(marks)
@@ -252,5 +260,29 @@ def test_a_stopped_spare_is_dropped_at_once_and_the_pool_keeps_forking(
     ]
     assert wait_gone(stopped), "the stopped interpreter was not killed and reaped"
     # The rank imported one, then forked it for the rest: forking is still on.
+    assert len(_imported(marks) - before) == 1 and len(forked_pids(pool, 0)) == 1
+    assert harness.finish(group)[0].returncode == 0
+
+
+def test_a_spare_that_does_not_answer_a_fork_is_dropped_and_the_pool_keeps_forking(
+    harness: Harness, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    # Its worst moment: stopped (or hung) after the pool looked, while it is asked. The
+    # request times out (10 s; not shortened: a healthy copy under load must not miss
+    # it); the spare is dropped, and forking stays on for the rest.
+    monkeypatch.setattr(agent.workers.warm_interpreter, "_stopped", lambda _pid: False)
+    pool, launch, marks = _marking_pool(harness, tmp_path)
+    group, hung = _one_left(harness, pool, launch, tmp_path)
+    os.kill(hung, signal.SIGSTOP)
+    before = _imported(marks)
+    with caplog.at_level(logging.WARNING, logger="agent.workers.warm"):
+        pool.refill({0: (launch.argv, launch.env)})
+        assert pool.wait_ready(READY_WITHIN, every=2), "the pool did not fill again"
+    assert [r.getMessage() for r in caplog.records] == [
+        "warm start: local rank 0: a warm interpreter did not fork (TimeoutError: timed "
+        "out); dropping it"
+    ]
+    assert wait_gone(hung), "the interpreter that did not answer was not killed and reaped"
     assert len(_imported(marks) - before) == 1 and len(forked_pids(pool, 0)) == 1
     assert harness.finish(group)[0].returncode == 0
