@@ -47,15 +47,15 @@ class StampingClient(EtcdClient):
     """Our etcd client, stamping the start and end of lease grants, node-key puts and
     state commits (process-wide: every simulated node of a process shares the record)."""
 
-    def lease_grant(self, ttl: int) -> int:
+    def lease_grant_at(self, ttl: int) -> tuple[int, int]:
         start = time.monotonic()
-        lease = super().lease_grant(ttl)
+        granted = super().lease_grant_at(ttl)
         _record("lease_grant", start)
-        return lease
+        return granted
 
-    def put_created(self, key: bytes, value: bytes, *, lease: int = 0) -> int:
+    def put_created(self, *args: Any, **kwargs: Any) -> int:
         start = time.monotonic()
-        revision = super().put_created(key, value, lease=lease)
+        revision = super().put_created(*args, **kwargs)
         _record("node_key", start)
         return revision
 

@@ -80,7 +80,9 @@ def count_watches(client: EtcdClient, counter: RequestCounter) -> None:
 def server_counts(metrics_text: str) -> dict[str, float]:
     """etcd's own counts: ``grpc:<Method>`` (messages received, by gRPC method: one per
     unary request, one per message on a stream), ``writes`` (mvcc puts + delete ops),
-    ``puts``, ``deletes``, and ``watch_events`` (sent to watchers)."""
+    ``puts``, ``deletes``, ``proposals`` (raft proposals committed: every write request,
+    however many keys it writes, and every lease grant and revoke) and ``watch_events``
+    (sent to watchers)."""
     out: dict[str, float] = {}
     for line in metrics_text.splitlines():
         match = _GRPC.match(line)
@@ -91,6 +93,7 @@ def server_counts(metrics_text: str) -> dict[str, float]:
     out["puts"] = totals.get("etcd_mvcc_put_total", 0.0)
     out["deletes"] = totals.get("etcd_mvcc_delete_total", 0.0)
     out["writes"] = out["puts"] + out["deletes"]
+    out["proposals"] = totals.get("etcd_server_proposals_committed_total", 0.0)
     out["watch_events"] = totals.get("etcd_debugging_mvcc_events_total", 0.0)
     return out
 

@@ -23,7 +23,7 @@ from etcd3 import etcdrpc
 
 from coordinator.core.errors import EtcdAuthError, EtcdConnectionError, EtcdTLSError
 from coordinator.core.etcd_client import EtcdClient, EtcdConfig, KeyValue
-from coordinator.core.etcd_client._client import earlier_grant_applied
+from coordinator.core.etcd_client._leases import earlier_grant_applied
 from coordinator.core.ports import free_ports
 from coordinator.etcd_server import EtcdCluster, find_etcd_binary, free_port
 from tests.chaos.proxy import Mode

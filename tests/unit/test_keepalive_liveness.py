@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.core.etcd_client import LeaseState, Outage
-from coordinator.core.etcd_client._client import earlier_grant_applied
+from coordinator.core.etcd_client._leases import earlier_grant_applied
 from coordinator.core.etcd_client._liveness import Change, Liveness, Probe, watch_probe
 
 ALIVE, UNREACHABLE, LOST = LeaseState.ALIVE, LeaseState.UNREACHABLE, LeaseState.LOST

@@ -40,7 +40,9 @@ Layout, one concept per module (import from this package, not from them):
 * ``_connection``: channels, the auth token, one unary RPC with failover and error
   translation (the base of ``EtcdClient``);
 * ``_kv``: KV calls and revision-guarded transactions (the next layer);
-* ``_client``: ``EtcdClient``: leases, keep-alives, watches, thread deaths;
+* ``_ranges``: the range requests of the KV reads (pure): which etcd stops at their limit;
+* ``_leases``: the lease calls (grant, grant if absent, refresh, revoke, time to live);
+* ``_client``: ``EtcdClient``: keep-alives, watches, thread deaths;
 * ``_liveness``: ``LeaseState`` and the pure rules of a lease's keep-alive;
 * ``_keepalive``: ``KeepAlive``, what the owner of one lease sees;
 * ``_keepalive_stream``: the keep-alive thread, every lease of a client on one stream;

@@ -1,4 +1,5 @@
-"""EtcdClient: KV (from ``_KV``), leases and their keep-alives, watches, thread deaths."""
+"""EtcdClient: KV (from ``_KV``), lease calls (``_Leases``), keep-alives, watches, thread
+deaths."""
 
 from __future__ import annotations
 
@@ -6,20 +7,15 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
-import grpc
-
-from coordinator.core.errors import EtcdConnectionError, LeaseLostError
-from coordinator.core.etcd_client._connection import Metadata, _stream_metadata
-from coordinator.core.etcd_client._etcdrpc import etcdrpc
-from coordinator.core.etcd_client._failover import NOT_FOUND, _status, classify_status
 from coordinator.core.etcd_client._keepalive import KeepAlive, OnReachable, OnUnreachable
 from coordinator.core.etcd_client._keepalive_stream import _KeepAliveStream
-from coordinator.core.etcd_client._kv import _KV, _check_prefix
+from coordinator.core.etcd_client._leases import _Leases
 from coordinator.core.etcd_client._observer import EtcdObserver
-from coordinator.core.etcd_client._types import EtcdConfig, WatchEvent, prefix_range_end
+from coordinator.core.etcd_client._ranges import _check_prefix
+from coordinator.core.etcd_client._types import EtcdConfig, WatchEvent, key_text, prefix_range_end
 from coordinator.core.etcd_client._watch import Watch, _WatchState
 from coordinator.core.etcd_client._watcher import _Watcher
 from coordinator.core.threads import DeathListener, ThreadDied
@@ -30,24 +26,8 @@ __all__ = ["EtcdClient"]
 
 log = logging.getLogger("coordinator.core.etcd_client")  # one logger for the whole package
 
-# Lease ids are chosen by the client (see lease_grant) from the OS's randomness, never
-# from a client's injected rng: two clients seeded alike must not pick the same ids.
-_LEASE_IDS = random.SystemRandom()
-_MAX_LEASE_ID = 2**62  # etcd's ids are int64; 0 would mean "etcd, choose one"
-_LEASE_EXISTS = "lease already exists"
 
-
-def earlier_grant_applied(attempt: int, details: str) -> bool:
-    """Whether etcd's refusal ``details`` of attempt number ``attempt`` (from 1) of one
-    grant of a client-chosen id says an earlier attempt was applied: the lease is ours.
-
-    On the first attempt the same words mean another lease has the id (with random
-    62-bit ids, not seen in practice): an error, never somebody else's lease taken.
-    """
-    return attempt > 1 and _LEASE_EXISTS in details.lower()
-
-
-class EtcdClient(_KV):
+class EtcdClient(_Leases):
     """A thread-safe etcd v3 client with failover, auth, watches and lease keep-alives.
 
     One instance may be shared by many threads. Every KV call returns etcd's header
@@ -125,138 +105,7 @@ class EtcdClient(_KV):
                 # One listener's bug must not keep the others from hearing of the death.
                 log.exception("the death listener %r of the etcd client failed", listener)
 
-    # -- leases --------------------------------------------------------------------------
-
-    def lease_grant(self, ttl: int) -> int:
-        """Grant a lease of ``ttl`` seconds; return its id.
-
-        The id is chosen here, at random, so a retry after an unknown outcome is
-        idempotent: if the first attempt was applied after all, etcd answers the retry
-        "lease already exists", and that lease is ours (no unused lease is left behind;
-        it started counting its TTL no earlier than the first attempt was sent).
-        """
-        lease_id = _LEASE_IDS.randrange(1, _MAX_LEASE_ID)
-        request = etcdrpc.LeaseGrantRequest(TTL=ttl, ID=lease_id)
-        attempts = 0
-
-        def grant(stubs: Any, timeout: float, metadata: Metadata) -> int:
-            nonlocal attempts
-            attempts += 1
-            try:
-                rsp = stubs.lease.LeaseGrant(request, timeout=timeout, metadata=metadata)
-            except grpc.RpcError as exc:
-                if earlier_grant_applied(attempts, _status(exc)[1]):
-                    return lease_id
-                raise
-            if rsp.error:
-                raise EtcdConnectionError(f"etcd refused a lease of {ttl} s: {rsp.error}")
-            return int(rsp.ID)
-
-        return self._unary("lease_grant", grant)
-
-    def lease_grant_if_absent(self, lease_id: int, ttl: int) -> int:
-        """Grant lease ``lease_id`` (an id every writer of it computes alike) of ``ttl``
-        seconds unless a lease with that id exists.
-
-        Returns:
-            The TTL etcd granted (at least its minimum), or 0 when the id exists already
-            (somebody's grant, or an earlier attempt of this one whose answer was lost).
-
-        Raises:
-            ValueError: ``lease_id`` is not a lease id.
-        """
-        if not 0 < lease_id < 2**63:
-            raise ValueError(f"lease id {lease_id} is not a lease id (1 to 2**63-1)")
-        request = etcdrpc.LeaseGrantRequest(TTL=ttl, ID=lease_id)
-
-        def grant(stubs: Any, timeout: float, metadata: Metadata) -> int:
-            try:
-                rsp = stubs.lease.LeaseGrant(request, timeout=timeout, metadata=metadata)
-            except grpc.RpcError as exc:
-                if _LEASE_EXISTS in _status(exc)[1].lower():
-                    return 0
-                raise
-            if rsp.error:
-                if _LEASE_EXISTS in rsp.error.lower():
-                    return 0
-                raise EtcdConnectionError(f"etcd refused a lease of {ttl} s: {rsp.error}")
-            return int(rsp.TTL)
-
-        return self._unary("lease_grant", grant)
-
-    def lease_refresh(self, lease_id: int, *, budget: float | None = None) -> int:
-        """Renew the lease once (one keep-alive on a short stream of its own).
-
-        Returns:
-            How long the lease lives from now on (its full TTL), or 0 when etcd has no
-            such lease. Through etcd's gRPC proxy, which answers a keep-alive only with
-            its own next renewal (a third of the TTL away, for a lease it keeps alive for
-            another client already), an answer not there within a second is replaced by
-            the lease's time to live, which the proxy's renewals keep up.
-        """
-        request = etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
-
-        def refresh(stubs: Any, timeout: float, metadata: Metadata) -> int:
-            answered = threading.Event()
-
-            def requests() -> Iterator[Any]:
-                yield request
-                # The stream ends only once answered: the proxy drops an unanswered
-                # keep-alive at the end of its stream ("context canceled").
-                answered.wait(timeout)
-
-            wait = min(1.0, timeout / 2)
-            call = stubs.lease.LeaseKeepAlive(
-                requests(), timeout=wait, metadata=_stream_metadata(metadata)
-            )
-            try:
-                for rsp in call:
-                    return max(0, int(rsp.TTL))
-            except grpc.RpcError as exc:
-                code, details = _status(exc)
-                if "lease not found" in details.lower():
-                    return 0
-                if code != grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise
-            finally:
-                answered.set()
-                call.cancel()
-            ask = etcdrpc.LeaseTimeToLiveRequest(ID=lease_id)
-            rsp = stubs.lease.LeaseTimeToLive(ask, timeout=timeout - wait, metadata=metadata)
-            return max(0, int(rsp.TTL))
-
-        return self._unary(
-            f"lease_refresh of lease {lease_id:x}", refresh, budget=budget, method="lease_refresh"
-        )
-
-    def lease_revoke(self, lease_id: int, *, budget: float | None = None) -> None:
-        """Revoke the lease and delete its keys. A lease already gone is not an error."""
-        request = etcdrpc.LeaseRevokeRequest(ID=lease_id)
-        try:
-            self._unary(
-                f"lease_revoke of lease {lease_id:x}",
-                lambda s, t, m: s.lease.LeaseRevoke(request, timeout=t, metadata=m),
-                budget=budget,
-                method="lease_revoke",
-            )
-        except LeaseLostError:
-            return  # already gone: what revoking wanted
-        except EtcdConnectionError as exc:
-            if (
-                isinstance(exc.__cause__, grpc.RpcError)
-                and classify_status(*_status(exc.__cause__)) == NOT_FOUND
-            ):
-                return
-            raise
-
-    def lease_time_to_live(self, lease_id: int) -> int:
-        """Seconds the lease has left, or -1 if it expired or was revoked."""
-        request = etcdrpc.LeaseTimeToLiveRequest(ID=lease_id)
-        rsp = self._unary(
-            "lease_time_to_live",
-            lambda s, t, m: s.lease.LeaseTimeToLive(request, timeout=t, metadata=m),
-        )
-        return int(rsp.TTL)
+    # -- keep-alives (the lease calls are _Leases') -------------------------------------
 
     def keep_alive(
         self,
@@ -312,10 +161,14 @@ class EtcdClient(_KV):
         on_compacted: Callable[[int], None],
         *,
         prefix: bool = False,
+        range_end: bytes = b"",
         prev_kv: bool = False,
+        no_put: bool = False,
         on_error: Callable[[Exception], None] | None = None,
     ) -> Watch:
-        """Watch ``key`` (every key under it with ``prefix``) from ``start_revision``.
+        """Watch ``key`` (every key under it with ``prefix``; every key from it up to, not
+        including, ``range_end`` with that) from ``start_revision``; only its deletions
+        with ``no_put`` (etcd filters the puts out).
 
         ``start_revision`` 0 means "from now". Events arrive in revision order through
         ``on_events(events, header_revision)``; after a broken stream the watch resumes
@@ -333,14 +186,18 @@ class EtcdClient(_KV):
         self._check_open()
         if prefix:
             _check_prefix(key)
+            range_end = prefix_range_end(key)
+        elif range_end and range_end <= key:
+            raise ValueError(f"watch range {key_text(key)} to {key_text(range_end)} is empty")
         state = _WatchState(
             key=key,
-            range_end=prefix_range_end(key) if prefix else b"",
+            range_end=range_end,
             next_rev=start_revision,
             on_events=on_events,
             on_compacted=on_compacted,
             on_error=on_error,
             prev_kv=prev_kv,
+            no_put=no_put,
         )
         self._watcher.add(state)
         return Watch(self._watcher, state)

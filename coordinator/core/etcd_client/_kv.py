@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 from coordinator.core.etcd_client._connection import _Connection
 from coordinator.core.etcd_client._etcdrpc import etcdrpc
+from coordinator.core.etcd_client._ranges import _check_prefix, _next_key_request, _prefix_request
 from coordinator.core.etcd_client._types import (
     KeyValue,
     TxnResult,
@@ -23,7 +24,7 @@ from coordinator.core.etcd_client._types import (
     prefix_range_end,
 )
 
-__all__ = ["_KV", "_check_prefix"]
+__all__ = ["_KV"]
 
 
 class _Binding(NamedTuple):
@@ -105,17 +106,22 @@ class _KV(_Connection):
         Sorted by key, or by create revision with ``sort_by_create``; ``limit`` 0 is no
         limit; ``max_create_revision`` > 0 keeps keys created at or before it.
         """
-        request = etcdrpc.RangeRequest(
-            key=prefix,
-            range_end=prefix_range_end(prefix),
-            limit=limit,
-            keys_only=keys_only,
-            max_create_revision=max_create_revision,
-            sort_target=etcdrpc.RangeRequest.CREATE if sort_by_create else etcdrpc.RangeRequest.KEY,
-            sort_order=etcdrpc.RangeRequest.DESCEND if descending else etcdrpc.RangeRequest.ASCEND,
+        request = _prefix_request(
+            prefix, limit, keys_only, max_create_revision, sort_by_create, descending
         )
         rsp = self._range("get_prefix", request, prefix)
         return [_kv(kv) for kv in rsp.kvs], int(rsp.header.revision)
+
+    def next_key(self, after: bytes, prefix: bytes) -> tuple[bytes | None, int]:
+        """The first key under ``prefix`` after ``after`` in key order (None: none), and
+        the header revision. One range read with a limit of 1: etcd reads one key of its
+        index, however many the prefix holds.
+
+        Raises:
+            ValueError: ``prefix`` is empty.
+        """
+        rsp = self._range("next_key", _next_key_request(after, prefix), prefix)
+        return (bytes(rsp.kvs[0].key) if rsp.kvs else None), int(rsp.header.revision)
 
     def count_prefix(self, prefix: bytes) -> tuple[int, int]:
         """Return how many keys are under ``prefix`` and the header revision."""
@@ -132,19 +138,41 @@ class _KV(_Connection):
         rsp = self._unary("put", lambda s, t, m: s.kv.Put(request, timeout=t, metadata=m), key=key)
         return int(rsp.header.revision)
 
-    def put_created(self, key: bytes, value: bytes, *, lease: int = 0) -> int:
+    def put_created(
+        self,
+        key: bytes,
+        value: bytes,
+        *,
+        lease: int = 0,
+        also_put: Sequence[tuple[bytes, bytes]] = (),
+    ) -> int:
         """Write ``key`` as :meth:`put` does; return the key's create revision.
 
         One round trip: etcd returns the previous value, whose create revision the key
         keeps; with no previous value the key was created by this put, at its revision.
+        Each ``(key, value)`` of ``also_put`` is written in the same transaction, on the
+        same lease (one raft proposal in all).
+
+        Raises:
+            ValueError: a key is written twice.
         """
-        request = etcdrpc.PutRequest(
-            key=key, value=value, lease=self._lease_of(key, lease), prev_kv=True
-        )
-        rsp = self._unary("put", lambda s, t, m: s.kv.Put(request, timeout=t, metadata=m), key=key)
-        if rsp.HasField("prev_kv") and rsp.prev_kv.key:
-            return int(rsp.prev_kv.create_revision)
-        return int(rsp.header.revision)
+        lease = self._lease_of(key, lease)
+        put = etcdrpc.PutRequest(key=key, value=value, lease=lease, prev_kv=True)
+        if not also_put:
+            rsp = self._unary("put", lambda s, t, m: s.kv.Put(put, timeout=t, metadata=m), key=key)
+            prev, revision = rsp.prev_kv, int(rsp.header.revision)
+        else:
+            _check_txn_ops([key, *(k for k, _ in also_put)], ())
+            ops = [etcdrpc.RequestOp(request_put=put)] + [
+                etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=k, value=v, lease=lease))
+                for k, v in also_put
+            ]
+            request = etcdrpc.TxnRequest(success=ops)
+            txn = self._unary(
+                "put", lambda s, t, m: s.kv.Txn(request, timeout=t, metadata=m), key=key
+            )
+            prev, revision = txn.responses[0].response_put.prev_kv, int(txn.header.revision)
+        return int(prev.create_revision) if prev.key else revision
 
     def _delete_range(self, what: str, key: bytes, range_end: bytes) -> tuple[int, int]:
         request = etcdrpc.DeleteRangeRequest(key=key, range_end=range_end)
@@ -327,11 +355,6 @@ class _KV(_Connection):
         """Delete ``key`` only if its mod_revision is still ``mod_revision``."""
         success = [etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=key))]
         return self._guarded_txn("delete_if_mod_revision", key, mod_revision, success)
-
-
-def _check_prefix(prefix: bytes) -> None:
-    if not prefix:
-        raise ValueError("an empty key prefix would select the whole keyspace; refusing it")
 
 
 def _check_txn_ops(put_keys: Sequence[bytes], delete_prefixes: Sequence[bytes]) -> None:

@@ -62,8 +62,10 @@ class _WatchState:
         on_compacted: Callable[[int], None],
         on_error: Callable[[Exception], None] | None,
         prev_kv: bool,
+        no_put: bool = False,
     ) -> None:
         self.key = key
+        self.no_put = no_put
         self.range_end = range_end
         self.next_rev = next_rev
         self.on_events = on_events

@@ -113,6 +113,7 @@ class _Watcher:
             range_end=state.range_end,
             start_revision=state.next_rev,
             prev_kv=state.prev_kv,
+            filters=[etcdrpc.WatchCreateRequest.NOPUT] if state.no_put else [],
         )
         requests.put(etcdrpc.WatchRequest(create_request=create))
         self._pending.append(state)
