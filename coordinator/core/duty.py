@@ -2,11 +2,19 @@
 
 Why one node: if every node watched every other node's key, a formation of N nodes would
 deliver N² watch events and every node would race to rewrite the state. Here each node
-writes only its own key; the node whose key has the lowest create revision (etcd's
-election recipe) watches the node keys and commits each state change with ONE
-revision-guarded transaction. Everybody else watches only the state key, and each waits
-for the deletion of its predecessor's key (so a leader's death wakes exactly one node).
-That keeps a formation at O(N) writes and O(N) watch events.
+writes only its own key (and, in the same transaction, its turn key); the node whose turn
+key is the last under ``turns/`` (the one that came first, :meth:`RunKeys.turn`) watches
+the node keys and commits each state change with ONE revision-guarded transaction.
+Everybody else watches only the state key, and each waits on the first turn key after its
+own, its senior: for that key's deletion, or a new key between the two (so a leader's
+death wakes exactly one node). That keeps a formation at O(N) writes and O(N) watch
+events, and each node's look for its senior at one key of etcd's index: etcd's election
+recipe (the newest key created before mine) makes etcd sort every node key on each call.
+
+A node that came to a running job saw a later revision than every node there, so it waits
+behind the coordinator. Nodes that join together may land in either order: a leader that
+sees a turn key appear after its own (a node that came earlier, whose key was slower)
+steps down for it.
 
 Correctness does not depend on there being exactly one leader: every commit is guarded by
 the state key's mod_revision AND fenced by the leader's own node key still having the
@@ -40,12 +48,12 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coordinator.core.actions import Action
 from coordinator.core.commit_events import EventRecorder
 from coordinator.core.errors import CorruptValueError, EtcdElasticError
-from coordinator.core.etcd_client import EtcdClient, WatchEvent
+from coordinator.core.etcd_client import EtcdClient
 from coordinator.core.event_log import EventLog
 from coordinator.core.executor import Commit, Fence, StateExecutor
 from coordinator.core.keys import RunKeys
@@ -54,6 +62,7 @@ from coordinator.core.state import RdzvState
 from coordinator.core.store_rounds import highest_store_round
 from coordinator.core.threads import DeathListener, start_guarded
 from coordinator.core.transitions import Limits, decide_coordinator, to_restore
+from coordinator.core.turns import watch_for_seniors, watch_in_line
 from coordinator.core.view import StateView
 
 __all__ = ["CoordinatorDuty", "Membership"]
@@ -63,11 +72,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Membership:
-    """This node's key as it stands: the create revision decides seniority."""
+    """This node's key as it stands: its create revision fences the commits of its terms;
+    its turn key (:meth:`RunKeys.turn`, on the same lease) is its place in the election."""
 
     node_id: str
     key: bytes
     create_revision: int
+    turn: bytes
+    lease: int
 
 
 class _Signal:
@@ -95,6 +107,7 @@ class _Term:
     deadline_round: int = -1
     paused: bool = False  # the state key is unreadable: wait for a valid value
     store_floor: int | None = None  # read once per term, only if the key is absent
+    outranked: threading.Event = field(default_factory=threading.Event)  # step down
 
 
 class CoordinatorDuty:
@@ -142,6 +155,7 @@ class CoordinatorDuty:
         self.commits = 0
         self.failed_commits = 0
         self.fenced_out = 0  # commits refused because this node's key was gone or new
+        self.terms = 0  # leadership terms begun (a node that came earlier may end one)
         self._thread: threading.Thread | None = None
         self._unsubscribe = view.subscribe(self._signal.set)
 
@@ -169,7 +183,8 @@ class CoordinatorDuty:
                 if me is None:
                     self._signal.wait(None)
                     continue
-                if self._wait_for_turn(me) and self._lead(me):
+                since = self._wait_for_turn(me)
+                if since is not None and self._lead(me, since):
                     self._await_new_key(me)
             except EtcdElasticError as exc:
                 # etcd unreachable for the whole retry budget, or similar: try again after
@@ -190,54 +205,26 @@ class CoordinatorDuty:
         while not self._stop.is_set() and self._membership() == me:
             self._signal.wait(None)
 
-    def _wait_for_turn(self, me: Membership) -> bool:
-        """Block until no live node key is older than ours; False if we should re-check."""
-        older, revision = self._client.get_prefix(
-            self._keys.nodes_prefix,
-            sort_by_create=True,
-            descending=True,
-            limit=1,
-            max_create_revision=me.create_revision - 1,
-            keys_only=True,
-        )
-        if not older:
-            return True
-        predecessor = older[0].key
-        gone = threading.Event()
-
-        def on_events(events: list[WatchEvent], _rev: int) -> None:
-            if any(e.kind == "delete" for e in events):
-                gone.set()
-                self._signal.set()
-
-        def on_compacted(_rev: int) -> None:
-            gone.set()  # re-check from scratch
-            self._signal.set()
-
-        def on_error(error: Exception) -> None:
-            # The watch ended (etcd cancelled it, or the watch thread died): re-check from
-            # scratch with a new one rather than wait for a delete that can no longer come.
-            log.info("coordinator duty: watch of predecessor ended (%s); re-checking", error)
-            on_compacted(0)
-
-        # From the read's revision on: a delete since then is delivered (up to 100 ms
-        # late, etcd's catch-up of a watch that starts in the past), with no second read
-        # and no wait for etcd's confirmation: every node but the leader does this while
-        # the others join (one round trip less each, off the formation's CPU).
-        watch = self._client.watch(
-            predecessor, revision + 1, on_events, on_compacted, on_error=on_error
-        )
+    def _wait_for_turn(self, me: Membership) -> int | None:
+        """Block until no turn key comes after ours; return the revision that was read at
+        (None: re-check)."""
+        senior, revision = self._client.next_key(me.turn, self._keys.turns_prefix)
+        if senior is None:
+            return revision
+        line = watch_in_line(self._client, me.key, me.turn, senior, revision, self._signal.set)
         try:
-            while not (self._stop.is_set() or gone.is_set()):
+            while not (self._stop.is_set() or line.again.is_set()):
                 current = self._membership()
                 if current is None or current.create_revision != me.create_revision:
                     break
                 self._signal.wait(None)
         finally:
-            watch.cancel()
-        return False
+            line.cancel()
+        if line.own_key_deleted.is_set() and self._client.lease_time_to_live(me.lease) > 0:
+            self._await_new_key(me)  # a lease that ended tells the node itself
+        return None
 
-    def _lead(self, me: Membership) -> bool:
+    def _lead(self, me: Membership, since: int) -> bool:
         """Coordinate until this node must step down; whether a commit was fenced out.
 
         Each pass: check this node still holds the key it was elected with, read the
@@ -252,11 +239,19 @@ class CoordinatorDuty:
         term = _Term(
             executor, Fence(me.key, me.create_revision), EventRecorder(me.node_id, self._wall_ms)
         )
-        self._before_commit()  # off the joins' path: a new run's lease, granted early
-        self._nodes.start()
+        self.terms += 1
+        seniors = watch_for_seniors(
+            self._client, self._keys, me.turn, since, term.outranked, self._signal.set
+        )
+        try:
+            self._before_commit()  # off the joins' path: a new run's lease, granted early
+            self._nodes.start()
+        except BaseException:
+            seniors.cancel()
+            raise
         self.is_leader = True
         try:
-            while not self._stop.is_set() and self._still_elected(me):
+            while not self._stop.is_set() and self._still_elected(me, term):
                 read = self._readable_state(term)
                 if read is None:
                     self._signal.wait(None)  # until a valid value appears
@@ -280,13 +275,20 @@ class CoordinatorDuty:
             return False
         finally:
             self.is_leader = False
+            seniors.cancel()
             self._nodes.stop()
 
-    def _still_elected(self, me: Membership) -> bool:
+    def _still_elected(self, me: Membership, term: _Term) -> bool:
         """Whether this node may go on leading with the key and table it has."""
         current = self._membership()
         if current is None or current.create_revision != me.create_revision:
             return False  # our key is gone (lease lost): step down, re-elect
+        if term.outranked.is_set():
+            log.info(
+                "node %s: a node that came earlier joined run %s; it coordinates now",
+                me.node_id, self._keys.run_id,
+            )  # fmt: skip
+            return False
         # A node watch that lost events: lead again from a fresh read.
         return not self._nodes.take_stale()
 

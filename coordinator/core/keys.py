@@ -4,12 +4,14 @@ Layout (documented for operators in ``docs/keys.md``)::
 
     <key_prefix>/<run_id>/state                          the agreed state (CAS on mod_revision)
     <key_prefix>/<run_id>/nodes/<node_id>                one record per node, on its lease
+    <key_prefix>/<run_id>/turns/<seniority>.<node_id>    the order the coordinator is
+                                                         chosen in, on the node's lease
     <key_prefix>/<run_id>/store/<round>/<encoded key>    the torch Store of one round
     <key_prefix>/<run_id>/progress/<node_id>             a node's last training progress,
                                                          on its lease (hang detection)
     <key_prefix>/<run_id>/events/<kind>/<…>              the run's timeline
 
-The node and progress keys hang on their node's lease; every other key of a run hangs on
+The node, turn and progress keys hang on their node's lease; every other key of a run hangs on
 the run's lease (``coordinator.core.run_lease``), so nothing of a run outlives its
 retention.
 
@@ -46,6 +48,7 @@ _SEGMENT_RE = re.compile(r"[A-Za-z0-9._-]+")
 _MAX_PREFIX_LEN = 256
 # Host part of a node id is cut so that "<host>-<pid>-<counter>" stays within 128 chars.
 _MAX_HOST_LEN = 80
+_MAX_REVISION = 2**63 - 1  # etcd revisions are int64
 _ID_RULE = "use 1-128 characters from A-Z a-z 0-9 . _ - starting with a letter or digit"
 
 # Bytes left as they are in an encoded Store key: letters, digits, '_' and '-'. Every other
@@ -248,6 +251,33 @@ class RunKeys:
             return validate_node_id(tail.decode("ascii"))
         except (UnicodeDecodeError, ConfigError):
             raise CorruptValueError(shown, "the part after nodes/ is not a node id") from None
+
+    @property
+    def turns_prefix(self) -> bytes:
+        """``…/turns/``: one key per node, written with its node key, in the order the
+        coordinator is chosen in (see :meth:`turn`)."""
+        return self.run_prefix + b"turns/"
+
+    def turn(self, revision: int, node_id: str) -> bytes:
+        """The turn key of ``node_id``, which saw etcd at ``revision`` before it wrote its
+        node key.
+
+        A node that came later saw a later revision and so has a *smaller* key (ties go
+        by node id): the last key under ``turns/`` is the most senior node, which
+        coordinates, and every other node waits for the first key after its own. That
+        key is one range read with a limit, which etcd answers from its index; the
+        election recipe's "newest key created before mine" makes etcd sort the whole
+        folder on every call (measured: 1.3 ms of etcd CPU per call at 1,000 nodes, so
+        O(N^2) per formation).
+
+        Raises:
+            ValueError: ``revision`` is not a revision (0 to 2**63-1).
+            ConfigError: ``node_id`` is not a valid node id.
+        """
+        if not 0 <= revision <= _MAX_REVISION:
+            raise ValueError(f"revision {revision} is not an etcd revision")
+        seniority = f"{_MAX_REVISION - revision:016x}"
+        return self.turns_prefix + f"{seniority}.{validate_node_id(node_id)}".encode("ascii")
 
     @property
     def progress_prefix(self) -> bytes:

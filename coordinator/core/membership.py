@@ -1,14 +1,15 @@
 """This node's place in a run: its node key and the lease (session) it hangs on.
 
 The handler asks for a round with :meth:`NodeMembership.write`; the coordinator duty
-reads :meth:`NodeMembership.current` (the key's create revision is both its seniority in
-the election and the fence of its commits). A lost lease (etcd said so) is replaced on
-the next write, and the new key has a new create revision, so a node that lost its lease
-can never commit as the leader it was before. A key deleted under a live lease (an
-operator's ``etcdctl del``) is created again by the next write, and that new create
-revision is the one the node goes by from then on. Until then :meth:`key_gone` says the
-key is known gone (the duty found out: its commit was fenced out), and the node asks to
-re-join as after a lost lease.
+reads :meth:`NodeMembership.current` (the key's create revision is the fence of its
+commits; its turn key, written with it, its place in the election). A lost lease (etcd
+said so) is replaced on the next write, and the new key has a new create revision, so a
+node that lost its lease can never commit as the leader it was before. A key deleted
+under a live lease (an operator's ``etcdctl del``) is created again by the next write,
+and that new create revision is the one the node goes by from then on (its turn key,
+written again with it, keeps its place). Until then :meth:`key_gone` says the key is known
+gone (the duty found out: its commit was fenced out), and the node asks to re-join as
+after a lost lease.
 
 Locking: ``_lock`` guards only the two references below and is a leaf lock: no RPC, no
 callback and no other lock is ever taken while it is held (docs/architecture.md).
@@ -27,11 +28,31 @@ from coordinator.core.keys import RunKeys
 from coordinator.core.session import Session
 from coordinator.core.state import NodeInfo, encode_node
 
-__all__ = ["Membership", "NodeMembership"]
+__all__ = ["Membership", "NodeMembership", "create_node_key"]
 
 log = logging.getLogger(__name__)
 
 _LEASE_TRIES = 3
+
+
+def create_node_key(
+    client: EtcdClient, keys: RunKeys, node_id: str, value: bytes, lease: int, revision: int
+) -> tuple[int, bytes]:
+    """Write a node's key and its turn key (:meth:`RunKeys.turn`) on ``lease``, in one
+    transaction; return the node key's create revision and the turn key.
+
+    ``revision``: what etcd's revision was when the node's lease was granted (0: not
+    known; then read now). Later than any node key that existed then, so a node that comes
+    to a running job waits behind its coordinator and never takes over from it.
+    """
+    key = keys.node(node_id)
+    if not revision:
+        _, revision = client.get(key)
+    turn = keys.turn(revision, node_id)
+    created = client.put_created(
+        key, value, lease=lease, also_put=((turn, node_id.encode("ascii")),)
+    )
+    return created, turn
 
 
 class NodeMembership:
@@ -126,10 +147,19 @@ class NodeMembership:
         key = self._keys.node(self.node_id)
         for _ in range(_LEASE_TRIES):
             session = self._live_session()
+            with self._lock:
+                held = self._membership if self._gone != self._membership else None
             try:
-                create_revision = self._client.put_created(
-                    key, encode_node(record(session.lease_id)), lease=session.lease_id
-                )
+                value = encode_node(record(session.lease_id))
+                if held is not None:
+                    # The next round asked for on the same key: its turn key stands.
+                    create_revision = self._client.put_created(key, value, lease=session.lease_id)
+                    turn = held.turn
+                else:
+                    create_revision, turn = create_node_key(
+                        self._client, self._keys, self.node_id, value, session.lease_id,
+                        session.granted_revision,
+                    )  # fmt: skip
             except LeaseLostError as exc:
                 # The lease expired between grant and put (a process starved for a TTL):
                 # drop it and ask again with a new one.
@@ -140,9 +170,10 @@ class NodeMembership:
                 if self._membership is None or self._membership.create_revision != create_revision:
                     # A new key: a new lease's, or ours deleted under a live lease (etcdctl
                     # del) and created again by this put. Its create revision is the fence
-                    # and the seniority from now on: the old one would fence out every
-                    # commit, and rank this node above older ones.
-                    self._membership = Membership(self.node_id, key, create_revision)
+                    # from now on: the old one would fence out every commit.
+                    self._membership = Membership(
+                        self.node_id, key, create_revision, turn, session.lease_id
+                    )
                 membership = self._membership
             return membership
         raise LeaseLostError(

@@ -99,19 +99,22 @@ def run_lease_ttl(retention: float, lease_ttl: int) -> int:
 def ensure_run_lease(client: EtcdClient, lease_id: int, ttl: int) -> int:
     """Make sure the run's lease exists, renewed now; return the TTL in force.
 
-    One grant of ``ttl`` seconds if it does not exist (the common case: the coordinator
-    of a new run, before its first commit); a failed grant and one keep-alive if it does
-    (a previous coordinator granted it and went before it wrote the state). The TTL in
-    force is the first grant's: agents that disagree on ``retention`` share it.
+    A look, then one grant of ``ttl`` seconds if it does not exist (the common case: the
+    coordinator of a new run, before its first commit), or one keep-alive if it does (a
+    coordinator before this one granted it: it went, or stepped down for a node that came
+    earlier, before the state was written). A look is a read; a grant, even a refused one,
+    is a raft proposal. The TTL in force is the first grant's: agents that disagree on
+    ``retention`` share it.
 
     Raises:
         EtcdElasticError: the lease vanished between each grant and look, 3 times.
         EtcdConnectionError: etcd did not answer.
     """
     for _ in range(_ENSURE_TRIES):
-        granted = client.lease_grant_if_absent(lease_id, ttl)
-        if granted > 0:
-            return granted
+        if client.lease_time_to_live(lease_id) <= 0:
+            granted = client.lease_grant_if_absent(lease_id, ttl)
+            if granted > 0:
+                return granted
         in_force = client.lease_refresh(lease_id)
         if in_force > 0:
             return in_force

@@ -71,7 +71,9 @@ class Session:
         self._closed = threading.Event()
         # Read before the grant is sent: the lease surely lives ttl from then.
         granted_at = client.clock()
-        self.lease_id = client.lease_grant(ttl)
+        # The revision etcd was at when it granted the lease (0: not known): where this
+        # node's turn key places it among the run's nodes (RunKeys.turn).
+        self.lease_id, self.granted_revision = client.lease_grant_at(ttl)
         self._keepalive: KeepAlive = client.keep_alive(
             self.lease_id, ttl, self._lost_cb,
             on_unreachable=on_unreachable, on_reachable=on_reachable, granted_at=granted_at,

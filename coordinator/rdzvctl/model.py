@@ -217,6 +217,7 @@ def read_run(client: EtcdClient, keys: RunKeys, *, lease_ttls: bool = False) -> 
     node_kvs, nodes_revision = client.get_prefix(keys.nodes_prefix)
     store_keys, _ = client.count_prefix(keys.store_root)
     event_keys, _ = client.count_prefix(keys.events_prefix)
+    turn_keys, _ = client.count_prefix(keys.turns_prefix)
     total, _ = client.count_prefix(keys.run_prefix)
     errors: list[CorruptValueError] = []
     state: RdzvState | None = None
@@ -233,7 +234,8 @@ def read_run(client: EtcdClient, keys: RunKeys, *, lease_ttls: bool = False) -> 
     if lease_ttls:
         nodes = tuple(replace(n, ttl_left=client.lease_time_to_live(n.lease)) for n in nodes)
     foreign: tuple[str, ...] = ()
-    if total > store_keys + event_keys + len(node_kvs) + len(progress_kvs) + (state_kv is not None):
+    known = store_keys + event_keys + turn_keys + len(node_kvs) + len(progress_kvs)
+    if total > known + (state_kv is not None):
         # Rare (someone wrote under our prefix): only then list the run's keys by name.
         every, _ = client.get_prefix(keys.run_prefix, keys_only=True)
         foreign = tuple(
@@ -241,7 +243,13 @@ def read_run(client: EtcdClient, keys: RunKeys, *, lease_ttls: bool = False) -> 
             for kv in every
             if kv.key != keys.state
             and not kv.key.startswith(
-                (keys.nodes_prefix, keys.store_root, keys.progress_prefix, keys.events_prefix)
+                (
+                    keys.nodes_prefix,
+                    keys.turns_prefix,
+                    keys.store_root,
+                    keys.progress_prefix,
+                    keys.events_prefix,
+                )
             )
         )
     return RunSnapshot(

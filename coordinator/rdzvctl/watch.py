@@ -187,8 +187,9 @@ class Tracker:
             if revision <= self._nodes_guard:
                 return []
             return self._progress_event(event, revision, shown)
-        if key.startswith((keys.store_root, keys.events_prefix)):
-            # The Store's keys; the timeline (rdzvctl events --follow).
+        if key.startswith((keys.store_root, keys.events_prefix, keys.turns_prefix)):
+            # The Store's keys; the timeline (rdzvctl events --follow); the turn keys,
+            # which come and go with the node keys (reported above).
             return []
         text = f"key {shown} {'deleted' if event.kind == 'delete' else 'written'} (not ours)"
         return [Change(revision, "foreign_key", text)]

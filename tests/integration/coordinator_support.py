@@ -11,6 +11,7 @@ import pytest
 from coordinator.core.duty import Membership
 from coordinator.core.etcd_client import EtcdClient, EtcdConfig, KeepAlive
 from coordinator.core.keys import RunKeys
+from coordinator.core.membership import create_node_key
 from coordinator.core.state import NodeInfo, RdzvState, decode_state, encode_node
 from coordinator.etcd_server import EtcdCluster
 from tests.rdzv_helpers import wait_until
@@ -32,12 +33,14 @@ class Node:
     membership: Membership | None = None
 
     def join(self, wanted_round: int) -> Membership:
-        self.lease = self.client.lease_grant(TTL)
+        self.lease, granted = self.client.lease_grant_at(TTL)
         self.keepalive = self.client.keep_alive(self.lease, TTL)
         record = NodeInfo(self.node_id, wanted_round, addr=self.node_id, free_port=29500)
+        created, turn = create_node_key(
+            self.client, self.keys, self.node_id, encode_node(record), self.lease, granted
+        )
         key = self.keys.node(self.node_id)
-        created = self.client.put_created(key, encode_node(record), lease=self.lease)
-        self.membership = Membership(self.node_id, key, created)
+        self.membership = Membership(self.node_id, key, created, turn, self.lease)
         return self.membership
 
     def put(self, wanted_round: int) -> None:

@@ -71,12 +71,12 @@ def test_an_ended_run_leaves_no_key_and_no_lease_once_its_retention_passed(
         assert {h.last_round for h in two} == {round}
     two[0].record_event(Event("fault", node_id=two[1].node_id, cause="hung", round=2))
     wait_until(lambda: client.count_prefix(keys.events_prefix + b"fault/")[0] == 1, 10, "the fault")
-    # Every key of the run is on a lease: its node's (node and progress keys), else the
-    # run's. Nothing is left for an operator to delete.
+    # Every key of the run is on a lease: its node's (node, turn and progress keys), else
+    # the run's. Nothing is left for an operator to delete.
     for kv in _under(client, keys):
-        expected = node_leases if kv.key.startswith(keys.nodes_prefix) else {run_lease}
-        assert kv.lease in expected, kv.key
-    assert _folders(client, keys) == {"state", "nodes", "store", "events"}
+        by_node = kv.key.startswith((keys.nodes_prefix, keys.turns_prefix))
+        assert kv.lease in (node_leases if by_node else {run_lease}), kv.key
+    assert _folders(client, keys) == {"state", "nodes", "turns", "store", "events"}
 
     two[0].set_closed("the job is over")
     for h in two:
@@ -272,9 +272,8 @@ def test_a_run_id_used_again_within_the_retention_shows_the_new_incarnation_alon
         lambda: client.count_prefix(keys.events_prefix + b"round_completed/")[0] == 2,
         10, "round 2 on the timeline",
     )  # fmt: skip
-    assert {kv.lease for kv in _under(client, keys) if b"/nodes/" not in kv.key} == {
-        run_lease_id(keys)
-    }
+    not_nodes = [kv for kv in _under(client, keys) if b"/nodes/" not in kv.key]
+    assert {kv.lease for kv in not_nodes if b"/turns/" not in kv.key} == {run_lease_id(keys)}
     code, out, err = ctl(capsys, etcd1, "events", run_id)
     assert code == 0
     assert [line.split()[4] for line in out.splitlines()] == ["joined", "round_completed"]

@@ -76,6 +76,7 @@ def test_one_node_grants_the_run_lease_when_every_node_starts_at_once(
         infos = Joins(nodes).start().infos(60)
         assert sorted(i.rank for i in infos.values()) == list(range(n))
         formed = dict(CountingClient.calls)
+        terms = sum(parts.duty.terms for h in nodes if (parts := h._current()) is not None)
         ranks = {info.rank: info for info in infos.values()}
         ranks[0].store.set("written-by-rank-0", "x")  # on the lease, like every run key
     finally:
@@ -83,8 +84,12 @@ def test_one_node_grants_the_run_lease_when_every_node_starts_at_once(
             h.leave()
     # One grant for the run (a failed grant is a raft proposal too: 1,750 grants for
     # 1,001 leases at N = 1000 when every node looked for it first), and no renewal on
-    # any node's way to its key.
-    assert formed == {("grant", lease): 1}
+    # any node's way to its key: only a coordinator that took over from one that stepped
+    # down for a node that came earlier (nodes that start together may land in either
+    # order) finds the lease and renews it.
+    assert formed.pop(("grant", lease)) == 1
+    assert set(formed) <= {("refresh", lease)}
+    assert formed.get(("refresh", lease), 0) <= terms - 1, (formed, terms)
 
 
 def test_the_run_state_outlives_the_node_that_granted_its_lease(

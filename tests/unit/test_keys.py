@@ -237,3 +237,41 @@ def test_node_id_tag_keeps_ids_apart_when_host_and_pid_repeat() -> None:
     assert make_node_id("vm", 1, 0, "a1b2c3") != make_node_id("vm", 1, 0, "0f0f0f")
     with pytest.raises(ValueError, match="node id tag 'XYZ' must be 1-16 lowercase hex"):
         make_node_id("vm", 1, 0, "XYZ")
+
+
+# -- turn keys: the order the coordinator is chosen in ---------------------------------
+
+
+_KEYS = RunKeys("/p", "job")
+_IDS = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}", fullmatch=True)
+
+
+@given(st.integers(0, 2**63 - 2), st.integers(1, 2**40), _IDS, _IDS)
+def test_a_node_that_saw_a_later_revision_has_a_smaller_turn_key(
+    revision: int, later_by: int, first: str, later: str
+) -> None:
+    # The last key under turns/ coordinates: the node that came first, whatever its id.
+    assert _KEYS.turn(min(revision + later_by, 2**63 - 1), later) < _KEYS.turn(revision, first)
+
+
+@given(st.integers(0, 2**63 - 1), _IDS, _IDS)
+def test_turn_keys_of_one_revision_are_ordered_by_node_id(revision: int, a: str, b: str) -> None:
+    if a != b:
+        assert (_KEYS.turn(revision, a) < _KEYS.turn(revision, b)) == (a < b)
+
+
+def test_turn_key_layout() -> None:
+    assert _KEYS.turns_prefix == b"/p/job/turns/"
+    assert _KEYS.turn(0, "n1") == b"/p/job/turns/7fffffffffffffff.n1"
+    assert _KEYS.turn(2**63 - 1, "n1") == b"/p/job/turns/0000000000000000.n1"
+
+
+@pytest.mark.parametrize("bad", [-1, 2**63])
+def test_turn_key_refuses_what_is_no_revision(bad: int) -> None:
+    with pytest.raises(ValueError, match=f"revision {bad} is not an etcd revision"):
+        _KEYS.turn(bad, "n1")
+
+
+def test_turn_key_refuses_a_bad_node_id() -> None:
+    with pytest.raises(ConfigError, match="node id"):
+        _KEYS.turn(5, "../x")
