@@ -15,7 +15,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
 from coordinator.core.etcd_client import EtcdClient, EtcdConfig
 from coordinator.core.keys import DEFAULT_KEY_PREFIX, RunKeys
-from coordinator.core.run_lease import run_lease_id
+from coordinator.core.run_lease import ensure_run_lease, run_lease_id
 from coordinator.etcd_server import EtcdCluster
 from coordinator.torch_adapter.handler import EtcdRendezvousHandler, create_handler
 from tests.rdzv_helpers import Joins, make_handler
@@ -109,3 +109,20 @@ def test_the_run_state_outlives_the_node_that_granted_its_lease(
     state, _ = client.get(keys.state)
     assert state is not None and state.lease == run_lease_id(keys)
     assert client.lease_time_to_live(run_lease_id(keys)) > 0
+
+
+def test_a_coordinator_that_finds_the_run_lease_renews_it_without_a_grant(
+    etcd1: EtcdCluster, run_id: str, counted: list[CountingClient]
+) -> None:
+    """A coordinator that took over before the first commit (the one before it went, or
+    stepped down for a node that came earlier) finds the lease granted: it looks (a read)
+    and renews it; a refused grant would have been a raft proposal."""
+    lease = run_lease_id(RunKeys(DEFAULT_KEY_PREFIX, run_id))
+    counted.append(CountingClient(EtcdConfig(tuple(etcd1.endpoints))))
+    (client,) = counted
+    try:
+        assert ensure_run_lease(client, lease, 30) == 30  # the first coordinator: granted
+        assert ensure_run_lease(client, lease, 10) == 30  # the next one: the first's TTL
+        assert dict(CountingClient.calls) == {("grant", lease): 1, ("refresh", lease): 1}
+    finally:
+        client.lease_revoke(lease)
