@@ -16,7 +16,11 @@ member of a round completed by that commit (it goes to the wait or spare list, o
 gets its own ``joined`` event at that commit.
 
 A new coordinator (after a failover) sees every live node as new: its rounds list them
-again with the same generations, and readers show each join once.
+again with the same generations, and readers show each join once. A node whose key went
+before the new coordinator saw it (its predecessor, above all) has a departure whose
+generation it takes from the round the node was a member of (``round_generations``: the
+round's event, read once per such round): the departure's id is then the one the node
+wrote itself when it left, and "left" is not recorded again as "lease expired".
 """
 
 from __future__ import annotations
@@ -124,15 +128,22 @@ class EventRecorder:
     Args:
         written_by: the coordinator's node id.
         wall_ms: wall-clock milliseconds (when a key was seen: informational).
+        round_generations: a round's members and their key generations as recorded
+            (asked only for a departure of a node this recorder never saw; may do I/O).
 
     Not thread-safe: called from the coordinator's thread only.
     """
 
     def __init__(
-        self, written_by: str, wall_ms: Callable[[], int] = lambda: int(time.time() * 1000)
+        self,
+        written_by: str,
+        wall_ms: Callable[[], int] = lambda: int(time.time() * 1000),
+        round_generations: Callable[[int], Mapping[str, int]] = lambda _round: {},
     ) -> None:
         self._written_by = written_by
         self._wall_ms = wall_ms
+        self._round_generations = round_generations
+        self._of_round: dict[int, Mapping[str, int]] = {}  # asked once per round
         self._generations: dict[str, int] = {}
         self._joins: dict[str, Event] = {}  # seen, not yet written or folded into a round
         self.pending: list[Event] = []
@@ -173,12 +184,21 @@ class EventRecorder:
         for event in events:
             if event.kind == "round_completed":
                 event = self._fold_joins(event)
-            out.append(replace(event, written_by=self._written_by))
             if event.kind == "departed":
                 self._generations.pop(event.node_id, None)
+                if not event.generation:
+                    event = replace(event, generation=self._recorded(event))
+            out.append(replace(event, written_by=self._written_by))
         self.pending.extend(self._joins.values())
         self._joins.clear()
         self.pending.extend(out)
+
+    def _recorded(self, departure: Event) -> int:
+        """The generation of a departed node's key as its last round recorded it (0: not
+        known)."""
+        if departure.round not in self._of_round:
+            self._of_round[departure.round] = self._round_generations(departure.round)
+        return self._of_round[departure.round].get(departure.node_id, 0)
 
     def _fold_joins(self, event: Event) -> Event:
         joins = [self._joins.pop(node, None) for node in event.members]

@@ -6,15 +6,13 @@ writes only its own key (and, in the same transaction, its turn key); the node w
 key is the last under ``turns/`` (the one that came first, :meth:`RunKeys.turn`) watches
 the node keys and commits each state change with ONE revision-guarded transaction.
 Everybody else watches only the state key, and each waits on the first turn key after its
-own, its senior: for that key's deletion, or a new key between the two (so a leader's
-death wakes exactly one node). That keeps a formation at O(N) writes and O(N) watch
-events, and each node's look for its senior at one key of etcd's index: etcd's election
-recipe (the newest key created before mine) makes etcd sort every node key on each call.
+own, its senior, for that key's deletion (so a leader's death wakes exactly one node); a
+key written between the two is the new senior, with no new read. That keeps a formation
+at O(N) writes and O(N) watch events, and each node's look for its senior at one key of
+etcd's index (etcd's election recipe made etcd sort every node key on each look).
 
-A node that came to a running job saw a later revision than every node there, so it waits
-behind the coordinator. Nodes that join together may land in either order: a leader that
-sees a turn key appear after its own (a node that came earlier, whose key was slower)
-steps down for it.
+A node that came to a running job waits behind the coordinator. Nodes that join together
+may land in either order: a leader that sees a turn key appear after its own steps down.
 
 Correctness does not depend on there being exactly one leader: every commit is guarded by
 the state key's mod_revision AND fenced by the leader's own node key still having the
@@ -54,7 +52,7 @@ from coordinator.core.actions import Action
 from coordinator.core.commit_events import EventRecorder
 from coordinator.core.errors import CorruptValueError, EtcdElasticError
 from coordinator.core.etcd_client import EtcdClient
-from coordinator.core.event_log import EventLog
+from coordinator.core.event_log import EventLog, round_generations
 from coordinator.core.executor import Commit, Fence, StateExecutor
 from coordinator.core.keys import RunKeys
 from coordinator.core.node_watch import NodeWatch
@@ -236,9 +234,11 @@ class CoordinatorDuty:
             self._client, self._keys, written_by=me.node_id, wall_ms=self._wall_ms,
             before_write=self._before_commit,
         )  # fmt: skip
-        term = _Term(
-            executor, Fence(me.key, me.create_revision), EventRecorder(me.node_id, self._wall_ms)
-        )
+        recorder = EventRecorder(
+            me.node_id, self._wall_ms,
+            lambda round_: round_generations(self._client, self._keys, round_),
+        )  # fmt: skip
+        term = _Term(executor, Fence(me.key, me.create_revision), recorder)
         self.terms += 1
         seniors = watch_for_seniors(
             self._client, self._keys, me.turn, since, term.outranked, self._signal.set

@@ -32,13 +32,20 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
-from coordinator.core.errors import EtcdElasticError
+from coordinator.core.errors import CorruptValueError, EtcdElasticError
 from coordinator.core.etcd_client import EtcdClient
-from coordinator.core.events import Event, encode_event, event_id, trim_count
+from coordinator.core.events import Event, decode_event, encode_event, event_id, trim_count
 from coordinator.core.keys import RunKeys
 from coordinator.core.threads import start_guarded
 
-__all__ = ["DEFAULT_EVENTS_LIMIT", "EventLog", "record_event", "trim_events", "write_events"]
+__all__ = [
+    "DEFAULT_EVENTS_LIMIT",
+    "EventLog",
+    "record_event",
+    "round_generations",
+    "trim_events",
+    "write_events",
+]
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +123,24 @@ def record_event(
     except (EtcdElasticError, ValueError) as exc:
         log.warning("run %s: %s event not recorded: %s", keys.run_id, event.kind, exc)
         return False
+
+
+def round_generations(client: EtcdClient, keys: RunKeys, round_: int) -> dict[str, int]:
+    """Each member of round ``round_`` and the create revision of its key then, as the
+    round's ``round_completed`` event has them: one get. Empty when the event is not
+    there (not written yet, trimmed, a round before the events carried them) or cannot be
+    read; best effort like every timeline read on the rendezvous' side."""
+    key = keys.event(f"round_completed/{round_}")
+    try:
+        kv, _ = client.get(key)
+        if kv is None:
+            return {}
+        event = decode_event(key.decode(), kv.value, kv.mod_revision)
+    except (EtcdElasticError, CorruptValueError) as exc:
+        log.info("run %s: round %d's members not read from the timeline: %s",
+                 keys.run_id, round_, exc)  # fmt: skip
+        return {}
+    return dict(zip(event.members, event.member_generations, strict=False))
 
 
 class EventLog:

@@ -18,9 +18,27 @@ from dataclasses import dataclass, field
 from coordinator.core.etcd_client import EtcdClient, Watch, WatchEvent, prefix_range_end
 from coordinator.core.keys import RunKeys
 
-__all__ = ["InLine", "watch_for_seniors", "watch_in_line"]
+__all__ = ["InLine", "senior_after", "watch_for_seniors", "watch_in_line"]
 
 log = logging.getLogger(__name__)
+
+
+def senior_after(senior: bytes, events: list[WatchEvent]) -> bytes | None:
+    """A waiting node's senior after ``events`` on the turn keys between its own key and
+    ``senior``'s (inclusive); None: the senior is gone, look again.
+
+    A key written between the two is a node that came earlier than this one (after its
+    senior) whose write was slower: it is the senior now, with no new read or watch (the
+    watched range still covers it). Only the current senior's deletion sends the node back
+    to etcd: a key beyond it going changes nothing about who is first after this node.
+    """
+    for event in events:
+        key = event.kv.key
+        if event.kind == "put" and key < senior:
+            senior = key
+        elif event.kind == "delete" and key == senior:
+            return None
+    return senior
 
 
 @dataclass
@@ -29,6 +47,7 @@ class InLine:
     its own node key's deletion."""
 
     watches: list[Watch]
+    senior: bytes = b""  # the first live turn key after this node's, as the watch knows
     again: threading.Event = field(default_factory=threading.Event)  # look again
     own_key_deleted: threading.Event = field(default_factory=threading.Event)
 
@@ -46,23 +65,32 @@ def watch_in_line(
     wake: Callable[[], None],
 ) -> InLine:
     """Watch, from ``revision + 1``, every turn key after ``turn`` up to and including the
-    ``senior``'s (its deletion, or a key that came between: look again), and the node's
-    own key ``node_key`` for its deletion. From the read's revision on: a change since
-    that read is delivered (etcd catches a watch that starts in the past up), with no
-    second read and no wait for etcd's confirmation, while the others join."""
+    ``senior``'s (the senior's deletion: look again; a key that came between is the new
+    senior, :func:`senior_after`), and the node's own key ``node_key`` for its deletion.
+    From the read's revision on: a change since that read is delivered (etcd catches a
+    watch that starts in the past up), with no second read and no wait for etcd's
+    confirmation, while the others join."""
     watches: list[Watch] = []
-    line = InLine(watches)
+    line = InLine(watches, senior)
 
-    def on_events(_events: list[WatchEvent], _rev: int) -> None:
+    def look_again() -> None:
         line.again.set()
         wake()
 
-    def on_own_key(events: list[WatchEvent], rev: int) -> None:
+    def on_events(events: list[WatchEvent], _rev: int) -> None:
+        # The client's watch thread is the only one that reads or moves line.senior.
+        now_senior = senior_after(line.senior, events)
+        if now_senior is None:
+            look_again()
+        else:
+            line.senior = now_senior
+
+    def on_own_key(_events: list[WatchEvent], _rev: int) -> None:
         line.own_key_deleted.set()
-        on_events(events, rev)
+        look_again()
 
     def on_compacted(_rev: int) -> None:
-        on_events([], 0)  # nobody knows what came meanwhile: look again from scratch
+        look_again()  # nobody knows what came meanwhile: look again from scratch
 
     def on_error(error: Exception) -> None:
         # The watch ended (etcd cancelled it, or the watch thread died): look again with a

@@ -125,6 +125,30 @@ def test_a_killed_participant_is_recorded_as_lease_expired(
     assert departed[0].round == 1
 
 
+def test_a_coordinator_that_leaves_is_recorded_once_as_left_by_its_successor_too(
+    etcd1: EtcdCluster, run_id: str, client: EtcdClient,
+    handlers: list[EtcdRendezvousHandler],
+) -> None:  # fmt: skip
+    """The successor never saw the leaver's key (it led): the departure it records must
+    carry the id the leaver wrote, or the timeline says the node left twice."""
+    handlers += [handler(etcd1, run_id, 2, 3) for _ in range(3)]
+    keys = RunKeys("/etcd-elastic", run_id)
+    form(handlers)
+    wait_until(lambda: sum(h.is_coordinator for h in handlers) == 1, 10, "a coordinator")
+    (leader,) = [h for h in handlers if h.is_coordinator]
+    leader.leave()
+    rest = [h for h in handlers if h is not leader]
+    again = Joins(rest).start().infos(30)
+    assert sorted(i.rank for i in again.values()) == [0, 1]
+    wait_until(lambda: any(h.is_coordinator for h in rest), 10, "a new coordinator")
+    wait_until(
+        lambda: sum(e.kind == "round_completed" for e in _events(client, keys)) == 2,
+        15, "the second round to be recorded",
+    )  # fmt: skip
+    departed = [e for e in _events(client, keys) if e.kind == "departed"]
+    assert _kinds(departed) == [("departed", leader.node_id, "left")]
+
+
 def test_each_fact_is_written_once_and_the_log_keeps_the_newest(
     client: EtcdClient, run_id: str
 ) -> None:

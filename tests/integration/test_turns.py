@@ -9,6 +9,7 @@ before mine" made etcd sort every node key for every joining node: O(N^2) per fo
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import time
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import pytest
 
 from coordinator.core.duty import CoordinatorDuty, Membership
-from coordinator.core.etcd_client import WatchEvent
+from coordinator.core.etcd_client import EtcdClient, EtcdConfig, WatchEvent
 from coordinator.core.membership import create_node_key
 from coordinator.core.state import NodeInfo, encode_node
 from coordinator.core.transitions import Limits
@@ -51,14 +52,16 @@ class Duty:
 
 
 @contextlib.contextmanager
-def duties(run: Run, nodes: list[Node]) -> Iterator[list[Duty]]:
-    """Start the duty of each node (joined already), in order; stop them all at the end."""
+def duties(run: Run, nodes: list[Node], client: EtcdClient | None = None) -> Iterator[list[Duty]]:
+    """Start the duty of each node (joined already), in order, on ``client`` (default the
+    run's); stop them all at the end."""
+    client = client or run.client
     started: list[Duty] = []
     try:
         for node in nodes:
             current: list[Membership | None] = [node.membership]
-            view = StateView(run.client, run.keys.state)
-            duty = CoordinatorDuty(run.client, run.keys, view, LIMITS, lambda c=current: c[0])
+            view = StateView(client, run.keys.state)
+            duty = CoordinatorDuty(client, run.keys, view, LIMITS, lambda c=current: c[0])
             started.append(Duty(node, current, duty, view))
             view.start()
             duty.start()
@@ -108,13 +111,14 @@ def test_a_newcomer_never_takes_over_from_the_coordinator(run: Run) -> None:
             assert da.leads and not dn.leads
 
 
-def _join_as_if_earlier(run: Run, node: Node) -> Membership:
-    """``node`` writes its keys as a node does that saw etcd before everybody else (its
-    lease was granted first, its write was the slowest: nodes that join together)."""
+def _join_as_if_earlier(run: Run, node: Node, granted: int = 1) -> Membership:
+    """``node`` writes its keys as a node does whose lease etcd granted at revision
+    ``granted`` (default: before everybody else's) and whose write was the slowest: nodes
+    that join together."""
     node.lease, _ = run.client.lease_grant_at(TTL)
     node.keepalive = run.client.keep_alive(node.lease, TTL)
     record = encode_node(NodeInfo(node.node_id, 1, addr=node.node_id, free_port=29500))
-    created, turn = create_node_key(run.client, run.keys, node.node_id, record, node.lease, 1)
+    created, turn = create_node_key(run.client, run.keys, node.node_id, record, node.lease, granted)
     key = run.keys.node(node.node_id)
     node.membership = Membership(node.node_id, key, created, turn, node.lease)
     return node.membership
@@ -138,6 +142,66 @@ def test_a_coordinator_steps_down_for_a_node_that_came_earlier(
     assert said == [
         f"node node-a: a node that came earlier joined run {run.keys.run_id}; it coordinates now"
     ]
+
+
+class _Calls:
+    """An observer that counts a client's calls by name."""
+
+    def __init__(self) -> None:
+        self.made: collections.Counter[str] = collections.Counter()
+
+    def call_done(self, method: str, seconds: float, failed: bool) -> None:
+        self.made[method] += 1
+
+    def attempt_failed(self, method: str, code: str) -> None:
+        pass
+
+    def keepalive_answered(self, seconds: float) -> None:
+        pass
+
+    def answered(self, at: float) -> None:
+        pass
+
+
+def test_a_node_that_lands_between_a_waiting_node_and_its_senior_is_its_senior_unread(
+    run: Run, etcd1: EtcdCluster
+) -> None:
+    """In a formation the turn keys of nodes that join together land in any order: a key
+    written between a waiting node's and its senior's makes that node the senior, with no
+    new read or watch (an extra look cost N reads and watches at scale, and a late one
+    came in the middle of the next phase); only the senior's own departure is a look."""
+    a, b, c = run.node("node-a"), run.node("node-b"), run.node("node-c")
+    a.join(1)
+    run.client.put(run.keys.run_prefix + b"later", b"")  # c's lease comes a revision later
+    c.join(1)
+    assert a.membership is not None
+    a_granted = 2**63 - 1 - int(a.membership.turn.rsplit(b"/", 1)[1].split(b".")[0], 16)
+    calls = _Calls()
+    own = EtcdClient(EtcdConfig(endpoints=tuple(etcd1.endpoints)), observer=calls)
+    try:
+        with duties(run, [a]) as (da,), duties(run, [c], own) as (dc,):
+            wait_until(lambda: da.leads, 30, "node-a to coordinate")
+            wait_until(lambda: calls.made["next_key"] == 1, 10, "node-c to find its place")
+            _join_as_if_earlier(run, b, a_granted + 1)
+            assert _turns(run) == ["node-c", "node-b", "node-a"]
+            with duties(run, [b]) as (db,):
+                time.sleep(SETTLE_S)
+                # a still leads; c took b as its senior from the watch, unread.
+                assert da.leads and not db.leads and not dc.leads
+                assert calls.made["next_key"] == 1, calls.made
+                # a goes: b's turn; c waits on b, whose key is still there: no look.
+                da.membership[0] = None
+                a.freeze_past_ttl()
+                wait_until(lambda: db.leads, 30, "node-b to coordinate")
+                time.sleep(SETTLE_S)
+                assert not dc.leads and calls.made["next_key"] == 1, calls.made
+                # b goes: c's senior's key is deleted, c looks once and leads.
+                db.membership[0] = None
+                b.freeze_past_ttl()
+                wait_until(lambda: dc.leads, 30, "node-c to coordinate")
+                assert calls.made["next_key"] == 2, calls.made
+    finally:
+        own.close()
 
 
 def test_nodes_joining_together_form_with_one_coordinator_the_last_turn_key(

@@ -219,6 +219,26 @@ def test_a_round_carries_its_members_joins_instead_of_one_event_per_node() -> No
     assert (second.member_generations, second.member_joined_ms) == ((6, 5, 9), (0, 0, 0))
 
 
+def test_a_successor_names_a_departure_it_never_saw_join_as_its_round_recorded_it() -> None:
+    # The new coordinator never saw b's key (b led before it and left): the departure's
+    # id must be the one b wrote when it left ("left" wins, no second "lease expired").
+    asked: list[int] = []
+
+    def of_round(round_: int) -> dict[str, int]:
+        asked.append(round_)
+        return {"a": 5, "b": 6}
+
+    recorder = EventRecorder("a", wall_ms=lambda: 1000, round_generations=of_round)
+    recorder.appeared(RdzvState(), {"a": _node("a", 5)})
+    running = RdzvState(round=2, participants=("a", "b", "c"))
+    after, actions = _commit(running, Action(ActionKind.REMOVE_FROM_PARTICIPANTS, ("b", "c")))
+    recorder.committed(running, after, actions, 30)
+    gone = {e.node_id: e for e in recorder.take() if e.kind == "departed"}
+    assert {n: e.generation for n, e in gone.items()} == {"b": 6, "c": 0}
+    assert event_id(gone["b"]) == event_id(Event("departed", node_id="b", generation=6))
+    assert asked == [2]  # once for the round, not once per departure
+
+
 def test_readers_show_each_join_once_where_it_happened() -> None:
     def stored(event: Event, written: int) -> Event:
         return decode_event("k", encode_event(event), written)
