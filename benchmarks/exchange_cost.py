@@ -183,7 +183,8 @@ class Fleet:
         return cost, results
 
     def form(self) -> PhaseCost:
-        """Every node joins the next round; counted until its events are written."""
+        """Every node joins the next round; counted until its events are written and etcd
+        is quiet (:meth:`_quiet`)."""
         self.counter.take()
         before = server_counts(self._metrics())
         infos = self._run(lambda i: self.handlers[i].next_rendezvous())
@@ -193,7 +194,7 @@ class Fleet:
         if wait_for_key(self._clients[0], key, time.monotonic() + 30) is None:
             raise RuntimeError(f"the event of round {round_} was not written within 30 s")
         self._flush_events()
-        after = server_counts(self._metrics())
+        after = self._quiet()
         self.counter.take()
         handlers = {h.node_id: h for h in self.handlers}
         self.by_rank = [handlers[node] for node in self.handlers[0].last_members]
@@ -203,6 +204,25 @@ class Fleet:
             host.release()  # the last round's bootstrap store stops listening
         self.servers = {}
         return PhaseCost(delta(before, after))
+
+    def _quiet(self, pause: float = 0.2, budget: float = 5.0) -> dict[str, float]:
+        """etcd's counts once two reads ``pause`` apart show no new request or watch
+        message but keep-alives (at most ``budget`` seconds): what a formation set going in
+        the background (a coordinator that steps down for a node that came earlier, and
+        looks for its place in line again) is the formation's, not the next phase's."""
+        deadline = time.monotonic() + budget
+        counts = server_counts(self._metrics())
+        while time.monotonic() < deadline:
+            time.sleep(pause)
+            again = server_counts(self._metrics())
+            moved = {
+                k for k, v in delta(counts, again).items()
+                if v and k.startswith("grpc:") and k != "grpc:LeaseKeepAlive"
+            }  # fmt: skip
+            counts = again
+            if not moved:
+                break
+        return counts
 
     def _flush_events(self) -> None:
         for handler in self.handlers:

@@ -15,12 +15,16 @@ a formation stays within 2N + O(1) writes (DESIGN §10). A node that joins but i
 member of a round completed by that commit (it goes to the wait or spare list, or left)
 gets its own ``joined`` event at that commit.
 
-A new coordinator (after a failover) sees every live node as new: its rounds list them
-again with the same generations, and readers show each join once. A node whose key went
-before the new coordinator saw it (its predecessor, above all) has a departure whose
-generation it takes from the round the node was a member of (``round_generations``: the
-round's event, read once per such round): the departure's id is then the one the node
-wrote itself when it left, and "left" is not recorded again as "lease expired".
+A new coordinator (after a failover, or one that stepped in for a node that came earlier)
+sees every live node as new. The joins of the members of a round another coordinator
+completed are not written again: that round's event shows them (before, such a
+coordinator wrote N ``joined`` events at its first commit that completed no round). A
+node whose key went before it saw the key (its predecessor, above all) has a departure
+whose generation it reads from the last round the node was a member of
+(``round_generations``: that round's event, one get per round, looked for in the
+:data:`ROUNDS_BACK` rounds up to the departure's), so the departure's id is the one the
+node wrote itself when it left: "left" is not recorded again as "lease expired". Its
+later rounds list the nodes again with the same generations; readers show each join once.
 """
 
 from __future__ import annotations
@@ -33,7 +37,12 @@ from coordinator.core.actions import Action, ActionKind
 from coordinator.core.events import Cause, Event
 from coordinator.core.state import NodeInfo, RdzvState
 
-__all__ = ["EventRecorder", "events_of_commit"]
+__all__ = ["ROUNDS_BACK", "EventRecorder", "events_of_commit"]
+
+ROUNDS_BACK = 3
+"""How many rounds, up to a departure's, a new coordinator reads for the key generation of
+a node it never saw (went around the failover; a drained node was a member of an earlier
+round than the last): each read is one get, once per round and term."""
 
 
 def events_of_commit(
@@ -144,6 +153,7 @@ class EventRecorder:
         self._wall_ms = wall_ms
         self._round_generations = round_generations
         self._of_round: dict[int, Mapping[str, int]] = {}  # asked once per round
+        self._round = 0  # the last round whose members' joins are accounted for
         self._generations: dict[str, int] = {}
         self._joins: dict[str, Event] = {}  # seen, not yet written or folded into a round
         self.pending: list[Event] = []
@@ -167,6 +177,11 @@ class EventRecorder:
                 written_by=self._written_by,
                 unix_ms=now,
             )
+        if state.round > self._round:
+            # A round another coordinator completed: its event shows its members' joins.
+            self._round = state.round
+            for node in state.participants:
+                self._joins.pop(node, None)
 
     def committed(
         self,
@@ -191,14 +206,27 @@ class EventRecorder:
             out.append(replace(event, written_by=self._written_by))
         self.pending.extend(self._joins.values())
         self._joins.clear()
+        self._round = max(self._round, after.round)
         self.pending.extend(out)
 
     def _recorded(self, departure: Event) -> int:
         """The generation of a departed node's key as its last round recorded it (0: not
         known)."""
-        if departure.round not in self._of_round:
-            self._of_round[departure.round] = self._round_generations(departure.round)
-        return self._of_round[departure.round].get(departure.node_id, 0)
+        for round_ in range(departure.round, max(departure.round - ROUNDS_BACK, 0), -1):
+            generation = self._members(round_).get(departure.node_id, 0)
+            if generation:
+                return generation
+        return 0
+
+    def _members(self, round_: int) -> Mapping[str, int]:
+        """Round ``round_``'s members and their key generations as recorded (asked once)."""
+        if round_ not in self._of_round:
+            self._of_round[round_] = {
+                node: generation
+                for node, generation in self._round_generations(round_).items()
+                if generation > 0
+            }
+        return self._of_round[round_]
 
     def _fold_joins(self, event: Event) -> Event:
         joins = [self._joins.pop(node, None) for node in event.members]

@@ -248,6 +248,10 @@ class RunPresence:
             self._left = True
             parts, self._parts = self._parts, None
             events = self._events
+        if parts is not None:
+            # A commit the duty is making hands its events (a round's) over first: a
+            # coordinator leaving right after its commit must not lose them.
+            parts.duty.stop()
         if events is not None:
             events.close()
         if parts is not None:

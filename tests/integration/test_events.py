@@ -7,10 +7,13 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from coordinator.core.commit_events import EventRecorder
 from coordinator.core.etcd_client import EtcdClient
 from coordinator.core.event_log import EventLog, record_event, trim_events
 from coordinator.core.events import Event, read_events
@@ -131,22 +134,50 @@ def test_a_coordinator_that_leaves_is_recorded_once_as_left_by_its_successor_too
 ) -> None:  # fmt: skip
     """The successor never saw the leaver's key (it led): the departure it records must
     carry the id the leaver wrote, or the timeline says the node left twice."""
-    handlers += [handler(etcd1, run_id, 2, 3) for _ in range(3)]
+    leader, *rest = [handler(etcd1, run_id, 2, 3) for _ in range(3)]
+    handlers += [leader, *rest]
     keys = RunKeys("/etcd-elastic", run_id)
-    form(handlers)
-    wait_until(lambda: sum(h.is_coordinator for h in handlers) == 1, 10, "a coordinator")
-    (leader,) = [h for h in handlers if h.is_coordinator]
+    first = Joins([leader]).start()  # the first node to come coordinates
+    wait_until(lambda: leader.is_coordinator, 10, "the first node to coordinate")
+    Joins(rest).start().infos()
+    first.infos()
+    wait_until(lambda: leader.last_round > 0, 10, "the round")
+    rounds = leader.last_round
     leader.leave()
-    rest = [h for h in handlers if h is not leader]
     again = Joins(rest).start().infos(30)
     assert sorted(i.rank for i in again.values()) == [0, 1]
     wait_until(lambda: any(h.is_coordinator for h in rest), 10, "a new coordinator")
     wait_until(
-        lambda: sum(e.kind == "round_completed" for e in _events(client, keys)) == 2,
-        15, "the second round to be recorded",
+        lambda: sum(e.kind == "round_completed" for e in _events(client, keys)) == rounds + 1,
+        15, "the round after the leave to be recorded",
     )  # fmt: skip
     departed = [e for e in _events(client, keys) if e.kind == "departed"]
     assert _kinds(departed) == [("departed", leader.node_id, "left")]
+
+
+def test_a_coordinator_that_leaves_right_after_its_commit_still_records_the_round(
+    etcd1: EtcdCluster, run_id: str, client: EtcdClient,
+    handlers: list[EtcdRendezvousHandler], monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The others (and the coordinator's own view) see the round before the duty hands its
+    event over; leaving then closed the timeline writer first and the event was lost."""
+    committed = EventRecorder.committed
+
+    def slowly(self: EventRecorder, *args: Any, **kwargs: Any) -> None:
+        time.sleep(1.0)  # a duty thread that was slow to get here after its commit
+        committed(self, *args, **kwargs)
+
+    monkeypatch.setattr(EventRecorder, "committed", slowly)
+    leader, other = handler(etcd1, run_id, 2, 2), handler(etcd1, run_id, 2, 2)
+    handlers += [leader, other]
+    keys = RunKeys("/etcd-elastic", run_id)
+    first = Joins([leader]).start()
+    wait_until(lambda: leader.is_coordinator, 10, "the first node to coordinate")
+    Joins([other]).start().infos()
+    first.infos()
+    leader.leave()
+    kinds = [e.kind for e in _events(client, keys)]
+    assert kinds.count("round_completed") == 1, kinds
 
 
 def test_each_fact_is_written_once_and_the_log_keeps_the_newest(

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from coordinator.core.actions import Action, ActionKind, apply
-from coordinator.core.commit_events import EventRecorder, events_of_commit
+from coordinator.core.commit_events import ROUNDS_BACK, EventRecorder, events_of_commit
 from coordinator.core.errors import CorruptValueError
 from coordinator.core.etcd_client import KeyValue
 from coordinator.core.events import (
@@ -226,17 +226,44 @@ def test_a_successor_names_a_departure_it_never_saw_join_as_its_round_recorded_i
 
     def of_round(round_: int) -> dict[str, int]:
         asked.append(round_)
-        return {"a": 5, "b": 6}
+        return {6: {"a": 5, "b": 6}, 5: {"a": 5, "d": 3}}.get(round_, {})
 
     recorder = EventRecorder("a", wall_ms=lambda: 1000, round_generations=of_round)
     recorder.appeared(RdzvState(), {"a": _node("a", 5)})
-    running = RdzvState(round=2, participants=("a", "b", "c"))
-    after, actions = _commit(running, Action(ActionKind.REMOVE_FROM_PARTICIPANTS, ("b", "c")))
+    # d, drained, was a member of the round before; c of none looked at.
+    running = RdzvState(round=6, participants=("a", "b", "c"), draining=("d",))
+    after, actions = _commit(
+        running,
+        Action(ActionKind.REMOVE_FROM_PARTICIPANTS, ("b", "c")),
+        Action(ActionKind.REMOVE_FROM_DRAINING, ("d",)),
+    )
     recorder.committed(running, after, actions, 30)
     gone = {e.node_id: e for e in recorder.take() if e.kind == "departed"}
-    assert {n: e.generation for n, e in gone.items()} == {"b": 6, "c": 0}
+    assert {n: e.generation for n, e in gone.items()} == {"b": 6, "c": 0, "d": 3}
     assert event_id(gone["b"]) == event_id(Event("departed", node_id="b", generation=6))
-    assert asked == [2]  # once for the round, not once per departure
+    # Each round once, and no further back than ROUNDS_BACK rounds.
+    assert asked == [6, 5, 4] and ROUNDS_BACK == 3
+
+
+def test_a_coordinator_does_not_write_the_joins_a_round_it_did_not_complete_showed() -> None:
+    def of_round(round_: int) -> dict[str, int]:
+        raise AssertionError("nothing to read: the round's event shows them")
+
+    recorder = EventRecorder("b", wall_ms=lambda: 1000, round_generations=of_round)
+    # Still forming when this node starts to lead; then another coordinator completes
+    # round 1 (a node that came earlier, or this node's predecessor).
+    recorder.appeared(RdzvState(), {"a": _node("a", 5), "b": _node("b", 6)})
+    formed = RdzvState(round=1, participants=("a", "b"))
+    recorder.appeared(formed, {"c": _node("c", 9)})
+    listed, actions = _commit(formed, Action(ActionKind.ADD_TO_WAIT_LIST, ("c",)))
+    recorder.committed(formed, listed, actions, 13)
+    assert [(e.node_id, e.revision) for e in recorder.take()] == [("c", 9)]
+    # A new coordinator's first look at a formed run: the same.
+    fresh = EventRecorder("a", wall_ms=lambda: 1000, round_generations=of_round)
+    fresh.appeared(formed, {"a": _node("a", 5), "b": _node("b", 6), "d": _node("d", 14)})
+    again, actions = _commit(formed, Action(ActionKind.ADD_TO_WAIT_LIST, ("d",)))
+    fresh.committed(formed, again, actions, 15)
+    assert [(e.node_id, e.revision) for e in fresh.take()] == [("d", 14)]
 
 
 def test_readers_show_each_join_once_where_it_happened() -> None:
