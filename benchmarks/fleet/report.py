@@ -160,14 +160,15 @@ def targets(
         for name, left in run.get("leftovers", {}).items():
             kinds = ", ".join(f"{k.rstrip('/')} {n}" for k, n in left.get("by_kind", {}).items())
             what = f"{left['keys']} keys ({kinds})" if kinds else f"{left['keys']} keys"
+            ok = left["keys"] == 0 and left["leases"] == 0
             if name == "job-lost":
                 lines.append(
-                    f"N={run['nodes']}: a job lost whole left {what} and {left['leases']} "
-                    f"leases {left['after_s']:g} s after etcd's last expiry (nobody closed it, "
-                    "so no retention: `rdzvctl gc` removes it; no target)"
+                    f"N={run['nodes']}: a job lost whole (nobody closed it) left {what} and "
+                    f"{left['leases']} leases {left['after_s']:g} s after etcd's last expiry "
+                    f"and the run's lease's TTL ({left['retention_s']:g} s, from its last "
+                    f"renewal before the kill) (target 0): {_verdict(ok)}"
                 )
                 continue
-            ok = left["keys"] == 0 and left["leases"] == 0
             lines.append(
                 f"N={run['nodes']}: a job that ended left {what} and {left['leases']} leases "
                 f"{left['after_s']:g} s after its retention ({left['retention_s']:g} s) ended "

@@ -172,8 +172,9 @@ def _job_b(run: _Run, job: JobRun) -> None:
 def _job_c(run: _Run, job: JobRun) -> None:
     run.phases.append(job.form())
     run.phases.append(job.lost())
-    # Nobody closed the run: nothing starts a retention; what is left is for rdzvctl gc.
-    run.leftover("job-lost", job, 0.0)
+    # Nobody closed the run, but its keys hang on the run's lease, which nobody renews
+    # after the kill: counted once that lease's TTL has passed too.
+    run.leftover("job-lost", job, _kept_for(run.options))
 
 
 def _job_plain(run: _Run, job: JobRun) -> None:

@@ -113,8 +113,12 @@ def test_the_end_revokes_every_lease_and_what_is_left_is_counted(result: dict[st
         left = result["leftovers"][name]
         assert isinstance(left["keys"], int) and isinstance(left["leases"], int)
         assert left["keys_under_prefix"] >= left["keys"]
-    # A closed run leaves nothing once its run lease (the retention, at least 2 TTLs) ends.
-    assert result["leftovers"]["job-end"]["keys"] == 0
+    # A closed run leaves nothing once its run lease (the retention, at least 2 TTLs) ends;
+    # a run nobody closed (every process killed) neither, once that lease's TTL passed
+    # after its last renewal.
+    for name in ("job-end", "job-lost"):
+        left = result["leftovers"][name]
+        assert (left["keys"], left["leases"]) == (0, 0), (name, left)
 
 
 def test_the_churn_measures_the_database_before_and_after(result: dict[str, Any]) -> None:
