@@ -13,6 +13,7 @@ from coordinator.core.etcd_client import EtcdClient, EtcdConfig
 from coordinator.etcd_server import EtcdCluster
 from coordinator.torch_adapter.handler import EtcdRendezvousHandler
 from tests.integration.orphans_support import Tracked
+from tests.integration.warm_support import Harness
 from tests.rdzv_helpers import shutdown_all
 
 
@@ -57,3 +58,13 @@ def tracked() -> Iterator[Tracked]:
         yield t
     finally:
         t.cleanup()
+
+
+@pytest.fixture
+def harness() -> Iterator[Harness]:
+    """Worker groups and warm pools a test starts: stopped, reaped and closed at the end."""
+    h = Harness()
+    try:
+        yield h
+    finally:
+        h.close()

@@ -37,11 +37,10 @@ from agent.loop.warmup import refill_after_start
 from agent.workers.group import build_argv
 from agent.workers.launch import WorkerLaunch
 from agent.workers.warm import ImportBounds, WarmPool
-from tests.integration.test_warm_start import (
+from tests.integration.warm_support import (
     READY_WITHIN,
     Harness,
     base_env,
-    harness,
     make_launch,
     wait_ready,
     warm_pids,
@@ -50,7 +49,6 @@ from tests.integration.test_warm_start import (
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-__all__ = ["harness"]  # the fixture, shared with test_warm_start
 
 IMPORT_S = 6.0
 SLEEPY = f"import time\ntime.sleep({IMPORT_S})\n"

@@ -4,7 +4,7 @@ process's children and are reaped by ``close``, dead spares are dropped, and a p
 cannot fork (no subreaper mark, a copy never adopted) imports instead, with one warning.
 A copy is told from an import by a preload that marks every interpreter running it (a
 copy never does), never by timing. That a worker started from a copy equals a cold one
-is in ``test_warm_start.py`` (``test_a_worker_from_a_forked_copy_is_the_same_as_a_cold_one``).
+is in ``test_warm_torch.py`` (``test_a_worker_from_a_forked_copy_is_the_same_as_a_cold_one``).
 """
 
 from __future__ import annotations
@@ -24,13 +24,12 @@ import agent.workers.warm_interpreter
 from agent.workers.group import WorkerGroup, build_argv
 from agent.workers.launch import WorkerLaunch
 from agent.workers.warm import WarmPool
-from tests.integration.test_warm_start import (
+from tests.integration.warm_support import (
     READY_WITHIN,
     Harness,
     alive,
     base_env,
     forked_pids,
-    harness,
     make_launch,
     wait_gone,
     warm_pids,
@@ -38,8 +37,6 @@ from tests.integration.test_warm_start import (
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
-
-__all__ = ["harness"]  # the fixture, shared with test_warm_start
 
 
 # Imported ahead by the interpreters of the pools below: marks each interpreter that runs

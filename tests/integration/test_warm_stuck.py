@@ -21,13 +21,12 @@ import pytest
 from agent.workers.group import build_argv
 from agent.workers.launch import WorkerLaunch
 from agent.workers.warm import ImportBounds, WarmPool
-from tests.integration.test_warm_start import (
+from tests.integration.warm_support import (
     READY_WITHIN,
     Harness,
     alive,
     base_env,
     forked_pids,
-    harness,
     make_launch,
     wait_gone,
     warm_pids,
@@ -36,7 +35,6 @@ from tests.integration.test_warm_start import (
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-__all__ = ["harness"]  # the fixture, shared with test_warm_start
 
 # The first import after the test creates ARM takes the file and blocks on a FIFO until
 # the test opens it for writing (a hung import: no CPU at all); any other returns at once.
