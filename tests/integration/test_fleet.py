@@ -67,9 +67,10 @@ def test_formation_counts_a_lease_and_a_key_per_agent(result: dict[str, Any]) ->
             # each agent's lease, and the run's (granted once, by the node that creates
             # the run's state: its store and events expire with it after the retention)
             assert etcd["lease_grants"] == N + 1
-            # and asked for once: no agent but the coordinator asks etcd for the run's
-            # lease (each failed grant is a raft proposal too)
-            assert etcd["rpc_LeaseGrant"] == N + 1
+            # and asked for by the coordinator only (each failed grant is a raft proposal
+            # too); twice when two nodes led for a moment at the new run's start, both
+            # looked before either granted, and one was refused
+            assert N + 1 <= etcd["rpc_LeaseGrant"] <= N + 2
             assert etcd["writes"] >= 2 * N  # each agent's lease and node key, at least
             assert etcd["watch_events"] > 0
             assert etcd["bytes_put"] > 0

@@ -82,12 +82,14 @@ def test_one_node_grants_the_run_lease_when_every_node_starts_at_once(
     finally:
         for h in nodes:
             h.leave()
-    # One grant for the run (a failed grant is a raft proposal too: 1,750 grants for
-    # 1,001 leases at N = 1000 when every node looked for it first), and no renewal on
-    # any node's way to its key: only a coordinator that took over from one that stepped
-    # down for a node that came earlier (nodes that start together may land in either
-    # order) finds the lease and renews it.
-    assert formed.pop(("grant", lease)) == 1
+    # The run's lease is asked for by coordinators only, at most once per leadership
+    # term (a failed grant is a raft proposal too: 1,750 grants for 1,001 leases at
+    # N = 1000 when every node looked for it first), and no node renews it on its way to
+    # its key. Nodes that start together may land in either order: a node that led for a
+    # moment steps down for one that came earlier; if both looked before either granted,
+    # both ask (one is refused and renews instead), else the later one renews.
+    grants = formed.pop(("grant", lease))
+    assert 1 <= grants <= terms, (grants, formed, terms)
     assert set(formed) <= {("refresh", lease)}
     assert formed.get(("refresh", lease), 0) <= terms - 1, (formed, terms)
 
