@@ -47,7 +47,6 @@ class InLine:
     its own node key's deletion."""
 
     watches: list[Watch]
-    senior: bytes = b""  # the first live turn key after this node's, as the watch knows
     again: threading.Event = field(default_factory=threading.Event)  # look again
     own_key_deleted: threading.Event = field(default_factory=threading.Event)
 
@@ -71,19 +70,19 @@ def watch_in_line(
     watch that starts in the past up), with no second read and no wait for etcd's
     confirmation, while the others join."""
     watches: list[Watch] = []
-    line = InLine(watches, senior)
+    line = InLine(watches)
+    first_after = [senior]  # as the watch knows it; read and moved on the watch thread only
 
     def look_again() -> None:
         line.again.set()
         wake()
 
     def on_events(events: list[WatchEvent], _rev: int) -> None:
-        # The client's watch thread is the only one that reads or moves line.senior.
-        now_senior = senior_after(line.senior, events)
+        now_senior = senior_after(first_after[0], events)
         if now_senior is None:
             look_again()
         else:
-            line.senior = now_senior
+            first_after[0] = now_senior
 
     def on_own_key(_events: list[WatchEvent], _rev: int) -> None:
         line.own_key_deleted.set()
