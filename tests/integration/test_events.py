@@ -15,7 +15,7 @@ import pytest
 
 from coordinator.core.commit_events import EventRecorder
 from coordinator.core.etcd_client import EtcdClient
-from coordinator.core.event_log import EventLog, record_event, trim_events
+from coordinator.core.event_log import EventLog, record_event, round_generations, trim_events
 from coordinator.core.events import Event, read_events
 from coordinator.core.keys import RunKeys
 from coordinator.etcd_server import EtcdCluster
@@ -178,6 +178,29 @@ def test_a_coordinator_that_leaves_right_after_its_commit_still_records_the_roun
     leader.leave()
     kinds = [e.kind for e in _events(client, keys)]
     assert kinds.count("round_completed") == 1, kinds
+
+
+def test_a_rounds_members_are_read_from_its_event_and_a_bad_one_reads_as_unknown(
+    etcd1: EtcdCluster, run_id: str, client: EtcdClient,
+    handlers: list[EtcdRendezvousHandler],
+) -> None:  # fmt: skip
+    """What a successor reads for a node it never saw (``round_generations``): the
+    round's members and key generations; nothing (not an error) for a round without an
+    event or with a value an operator broke, so the departure is still recorded."""
+    handlers += [handler(etcd1, run_id, 2, 2) for _ in range(2)]
+    keys = RunKeys("/etcd-elastic", run_id)
+    form(handlers)
+    wait_until(lambda: client.get(keys.event("round_completed/1"))[0] is not None, 10,
+               "the round's event")  # fmt: skip
+    members = round_generations(client, keys, 1)
+    assert sorted(members) == sorted(h.node_id for h in handlers)
+    for h in handlers:
+        parts = h._current()
+        me = parts.member.current() if parts is not None else None
+        assert me is not None and members[h.node_id] == me.create_revision
+    assert round_generations(client, keys, 2) == {}  # not completed
+    client.put(keys.event("round_completed/1"), b"not an event")
+    assert round_generations(client, keys, 1) == {}
 
 
 def test_each_fact_is_written_once_and_the_log_keeps_the_newest(
