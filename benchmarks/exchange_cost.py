@@ -205,23 +205,23 @@ class Fleet:
         self.servers = {}
         return PhaseCost(delta(before, after))
 
-    def _quiet(self, pause: float = 0.2, budget: float = 5.0) -> dict[str, float]:
-        """etcd's counts once two reads ``pause`` apart show no new request or watch
-        message but keep-alives (at most ``budget`` seconds): what a formation set going in
-        the background (a coordinator that steps down for a node that came earlier, and
-        looks for its place in line again) is the formation's, not the next phase's."""
+    def _quiet(self, pause: float = 0.25, still: int = 2, budget: float = 5.0) -> dict[str, float]:
+        """etcd's counts once ``still`` reads in a row, ``pause`` apart, show no new
+        request or watch message but keep-alives (at most ``budget`` seconds): what a
+        formation set going in the background (a coordinator that steps down for a node
+        that came earlier, and looks for its place in line again; on a loaded machine its
+        watch thread may hear of that node late) is the formation's, not the next phase's."""
         deadline = time.monotonic() + budget
         counts = server_counts(self._metrics())
-        while time.monotonic() < deadline:
+        quiet = 0
+        while quiet < still and time.monotonic() < deadline:
             time.sleep(pause)
             again = server_counts(self._metrics())
-            moved = {
-                k for k, v in delta(counts, again).items()
-                if v and k.startswith("grpc:") and k != "grpc:LeaseKeepAlive"
-            }  # fmt: skip
-            counts = again
-            if not moved:
-                break
+            moved = any(
+                v and k.startswith("grpc:") and k != "grpc:LeaseKeepAlive"
+                for k, v in delta(counts, again).items()
+            )
+            counts, quiet = again, 0 if moved else quiet + 1
         return counts
 
     def _flush_events(self) -> None:
